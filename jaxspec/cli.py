@@ -1,0 +1,104 @@
+"""`jaxspec generate | demo | bench | advise | train`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEMO_PROMPTS = (
+    "Summarize in two sentences: The James Webb Space Telescope is a space telescope designed to conduct "
+    "infrared astronomy. Its high-resolution instruments allow it to view objects too old, distant, or "
+    "faint for the Hubble Space Telescope.",
+    "Write a Python function that checks whether a number is prime.",
+    "Rewrite this sentence in a formal tone: hey, the meeting got moved to 3pm, don't be late!",
+)
+
+
+def _spec_from_args(args: argparse.Namespace):
+    from jaxspec.config import SpecConfig
+
+    if args.spec is None:
+        return None
+    if args.spec.strip().startswith("{"):
+        return SpecConfig.from_dict(json.loads(args.spec))
+    return SpecConfig(method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk)
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF directory")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--spec", default=None, help="method name (ngram, draft_model, eagle3, ...) or a JSON dict"
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--topk", type=int, default=1, help="branches per node (tree drafting)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+
+
+def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
+    import jaxspec
+
+    model = jaxspec.load(args.model)
+    sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    spec = _spec_from_args(args)
+    if args.no_chat or model.tokenizer is None or model.tokenizer.chat_template is None:
+        inputs = prompts
+    else:
+        inputs = [model.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    # The first call compiles; time a second identical call for the steady-state figure.
+    jaxspec.generate(model, inputs[:1], max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec)
+    for prompt, inp in zip(prompts, inputs, strict=True):
+        start = time.perf_counter()
+        (c,) = jaxspec.generate(
+            model, [inp], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, spec=spec
+        )
+        elapsed = time.perf_counter() - start
+        print(f"### prompt: {prompt}\n{c.text}\n")
+        line = f"[{len(c.token_ids)} tokens in {elapsed:.2f}s = {len(c.token_ids) / elapsed:.1f} tokens/s"
+        if spec is not None:
+            line += f", mean accepted length {c.stats['mean_accepted_length']:.2f}"
+        print(line + f", finish={c.finish_reason}]\n", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxspec")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate from --prompt, or a JSONL batch job with --input")
+    _add_generation_args(gen)
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument("--input", help="JSONL requests (batch job); see scripts/generate.py")
+    gen.add_argument("--output", help="JSONL results (batch job)")
+    demo = sub.add_parser("demo", help="run the default model on a few built-in prompts")
+    _add_generation_args(demo)
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "generate" and args.input:
+            from jaxspec.batch_job import main as batch_main
+
+            return batch_main(sys.argv[2:] if argv is None else argv[1:])
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "generate":
+            if not args.prompt:
+                parser.error("generate needs --prompt TEXT or --input FILE")
+            _run_prompts(args, args.prompt)
+        elif args.command == "demo":
+            _run_prompts(args, list(DEMO_PROMPTS))
+    except Exception as exc:
+        from jaxspec.errors import JaxspecError
+
+        if isinstance(exc, JaxspecError):
+            print(f"jaxspec: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

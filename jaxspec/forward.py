@@ -1,0 +1,59 @@
+"""Pure forward functions over split (graphdef, params): the building blocks of every jitted step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache
+from pallas_kernels import tree_attention
+
+
+def attention_for(impl: str):
+    """The verify/prefill attention function for SpecConfig.attention ("auto" | "reference" | "pallas")."""
+
+    def attention_fn(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, *, scale):
+        return tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, scale=scale, impl=impl)
+
+    return attention_fn
+
+
+def model_forward(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    tree_mask: jax.Array,
+    *,
+    attention: str = "auto",
+    capture_layers: tuple[int, ...] = (),
+) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+    """tokens/positions [B, N], tree_mask [B, N, N] -> (final hidden [B, N, d], captured, cache).
+
+    The new tokens' keys/values are written at [cache.lengths, cache.lengths + N); lengths unchanged.
+    """
+    model = nnx.merge(graphdef, params)
+    return model(tokens, positions, cache, tree_mask, attention_for(attention), capture_layers)
+
+
+def lm_logits(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:
+    """hidden [..., d] -> float32 logits [..., V]."""
+    return nnx.merge(graphdef, params).lm_logits(hidden)
+
+
+def embed_tokens(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array) -> jax.Array:
+    """tokens [...] -> embeddings [..., d] (draft heads reuse the target's frozen embedding)."""
+    return nnx.merge(graphdef, params).embed(tokens)
+
+
+def causal_mask(batch: int, n: int) -> jax.Array:
+    """[B, N, N] lower-triangular mask of a chain (prefill)."""
+    return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), dtype=bool)), (batch, n, n))
+
+
+def last_valid(x: jax.Array, lengths: jax.Array) -> jax.Array:
+    """x [B, N, ...], lengths [B] (>= 1) -> x[b, lengths[b] - 1]  ([B, ...])."""
+    idx = jnp.maximum(lengths - 1, 0)
+    return jnp.take_along_axis(x, idx.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]

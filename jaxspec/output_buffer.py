@@ -1,0 +1,53 @@
+"""Per-row output token buffer shared by the autoregressive loop and the speculative engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class OutputBuffer:
+    """tokens [B, T] (T = max new tokens bucket + slack), count [B], done [B], stopped [B] (EOS seen)."""
+
+    tokens: jax.Array
+    count: jax.Array
+    done: jax.Array
+    stopped: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, capacity: int) -> OutputBuffer:
+        return cls(
+            tokens=jnp.zeros((batch, capacity), jnp.int32),
+            count=jnp.zeros((batch,), jnp.int32),
+            done=jnp.zeros((batch,), bool),
+            stopped=jnp.zeros((batch,), bool),
+        )
+
+
+def append_tokens(
+    out: OutputBuffer, new: jax.Array, num_new: jax.Array, max_new: jax.Array, eos_ids: jax.Array
+) -> tuple[OutputBuffer, jax.Array]:
+    """Append up to num_new[b] tokens of new [B, K] to each unfinished row.
+
+    A row keeps tokens up to and including its first EOS, and never more than max_new[b] in total.
+    The buffer's capacity must be >= max(max_new) + K (the K tokens are written as a block).
+    Returns the updated buffer and kept [B], the number of tokens each row actually kept.
+    """
+    k = new.shape[1]
+    j = jnp.arange(k)[None, :]
+    is_eos = jnp.isin(new, eos_ids) & (j < num_new[:, None])
+    first_eos = jnp.where(is_eos.any(axis=1), jnp.argmax(is_eos, axis=1), k)
+    kept = jnp.minimum(jnp.minimum(num_new, first_eos + 1), max_new - out.count)
+    kept = jnp.where(out.done, 0, jnp.maximum(kept, 0))
+    tokens = jax.vmap(lambda row, upd, at: jax.lax.dynamic_update_slice(row, upd, (at,)))(
+        out.tokens, new.astype(jnp.int32), out.count
+    )
+    hit_eos = (first_eos < kept) & ~out.done
+    count = out.count + kept
+    stopped = out.stopped | hit_eos
+    done = out.done | stopped | (count >= max_new)
+    return OutputBuffer(tokens=tokens, count=count, done=done, stopped=stopped), kept

@@ -1,0 +1,23 @@
+"""What a drafter sees each round: committed history, lengths, keys and sampling parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxspec.spec.sampling import SamplingArrays
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundContext:
+    """history: [B, H] int32 prompt + emitted tokens; history[b, history_len[b] - 1] is the root (the
+    last emitted token, KV not yet in the target cache). cache_lengths: [B] committed target tokens
+    (= history_len - 1). keys: [B] draft keys of this round. sampling: per-row processor parameters."""
+
+    history: jax.Array
+    history_len: jax.Array
+    cache_lengths: jax.Array
+    keys: jax.Array
+    sampling: SamplingArrays

@@ -1,0 +1,19 @@
+"""Test setup: 8 host CPU devices (real meshes like (2, 4)) before jax starts; shared fixtures."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (float32), loaded once per test session."""
+    import jaxspec
+
+    return jaxspec.load("smollm2-135m")
