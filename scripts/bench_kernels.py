@@ -1,0 +1,155 @@
+"""Benchmark the Pallas tree-attention kernel against the jnp reference at verify-step shapes.
+
+    python scripts/bench_kernels.py                       # on a TPU or GPU host
+    python scripts/bench_kernels.py --peak-gbps 3350      # e.g. H100 instead of the H200 default
+    python scripts/bench_kernels.py --interpret           # CPU: tiny sizes, TPU kernel interpreted
+
+For each (batch, prefix, nodes) it times the kernel (`impl="pallas"`: the TPU kernel on TPU, the Triton
+kernel on GPU) and the XLA-compiled reference, and reports the kernel's achieved fraction of peak
+memory bandwidth: bytes of K/V read (prefix [0, length) plus the tree block) / time / peak. Every row
+of the cache is full (lengths = prefix), so the reference reads the same bytes. The max |error|
+column compares the kernel with the reference on the same inputs. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.spec.tree import DraftTree, ancestor_mask
+from pallas_kernels import tree_attention
+
+DEFAULT_PEAK_GBPS = {"gpu": 4800.0, "tpu": 819.0}  # H200 HBM3e, TPU v5e
+INTERPRET_SIZES = dict(batches="1,2", prefixes="256,512", nodes="8", q_heads=4, kv_heads=2, head_dim=64)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
+    p.add_argument("--prefixes", default="1024,8192,32768", help="comma-separated prefix lengths")
+    p.add_argument("--nodes", default="8,64", help="comma-separated tree sizes N")
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--iters", type=int, default=20, help="timed calls per configuration")
+    p.add_argument(
+        "--peak-gbps",
+        type=float,
+        default=None,
+        help="peak memory bandwidth in GB/s (default: 4800 on GPU = H200, 819 on TPU = v5e)",
+    )
+    p.add_argument("--interpret", action="store_true", help="CPU: run tiny sizes in interpret mode")
+    args = p.parse_args(argv)
+    if args.interpret:
+        for name, value in INTERPRET_SIZES.items():
+            setattr(args, name, value)
+        args.dtype, args.iters = "float32", 2
+    return args
+
+
+def ints(csv: str) -> list[int]:
+    return [int(x) for x in csv.split(",") if x]
+
+
+def make_inputs(batch: int, prefix: int, nodes: int, args: argparse.Namespace) -> dict[str, jax.Array]:
+    """Verify-step operands: full caches of `prefix` positions and one random tree per row."""
+    dtype = jnp.dtype(args.dtype)
+    rng = np.random.default_rng(0)
+    keys = jax.random.split(jax.random.key(0), 6)
+    hkv, d = args.kv_heads, args.head_dim
+
+    def normal(key: jax.Array, *shape: int) -> jax.Array:
+        return jax.random.normal(key, shape, dtype)
+
+    parent = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, nodes)] for _ in range(batch)])
+    depth = np.zeros_like(parent)
+    for i in range(1, nodes):
+        depth[:, i] = depth[np.arange(batch), parent[:, i]] + 1
+    tree = DraftTree(
+        tokens=jnp.zeros((batch, nodes), jnp.int32),
+        parent=jnp.asarray(parent, jnp.int32),
+        depth=jnp.asarray(depth, jnp.int32),
+        valid=jnp.ones((batch, nodes), bool),
+    )
+    return dict(
+        q=normal(keys[0], batch, args.q_heads, nodes, d),
+        k_cache=normal(keys[1], batch, hkv, prefix, d),
+        v_cache=normal(keys[2], batch, hkv, prefix, d),
+        lengths=jnp.full((batch,), prefix, jnp.int32),
+        k_tree=normal(keys[3], batch, hkv, nodes, d),
+        v_tree=normal(keys[4], batch, hkv, nodes, d),
+        tree_mask=jax.jit(ancestor_mask)(tree),
+    )
+
+
+def kv_bytes(inputs: dict[str, jax.Array]) -> int:
+    """Bytes of K and V a perfect kernel reads: each row's prefix [0, length) plus the tree block."""
+    _, hkv, _, d = inputs["k_cache"].shape
+    itemsize = inputs["k_cache"].dtype.itemsize
+    prefix_positions = int(jnp.sum(inputs["lengths"]))
+    tree_positions = inputs["k_tree"].shape[0] * inputs["k_tree"].shape[2]
+    return 2 * hkv * d * itemsize * (prefix_positions + tree_positions)
+
+
+def median_seconds(fn: Callable[[], jax.Array], iters: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm up
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_one(batch: int, prefix: int, nodes: int, args: argparse.Namespace, peak_gbps: float | None) -> str:
+    inputs = make_inputs(batch, prefix, nodes, args)
+    scale = args.head_dim**-0.5
+    kernel = jax.jit(functools.partial(tree_attention, scale=scale, impl="pallas"))
+    reference = jax.jit(functools.partial(tree_attention, scale=scale, impl="reference"))
+    t_kernel = median_seconds(lambda: kernel(**inputs), args.iters)
+    t_reference = median_seconds(lambda: reference(**inputs), args.iters)
+    error = float(jnp.max(jnp.abs(kernel(**inputs).astype(jnp.float32) - reference(**inputs))))
+    gbps = kv_bytes(inputs) / t_kernel / 1e9
+    fraction = f"{gbps / peak_gbps:.1%}" if peak_gbps else "n/a"
+    return (
+        f"| {batch} | {prefix} | {nodes} | {t_kernel * 1e6:.1f} | {t_reference * 1e6:.1f} | "
+        f"{t_reference / t_kernel:.2f}x | {gbps:.1f} | {fraction} | {error:.2e} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = jax.default_backend()
+    if backend == "cpu" and not args.interpret:
+        print(
+            "bench_kernels: no TPU or GPU here (jax backend is 'cpu'); nothing to time. "
+            "Run on an accelerator host, or pass --interpret for a tiny interpret-mode smoke run."
+        )
+        return 0
+    peak_gbps = None if args.interpret else (args.peak_gbps or DEFAULT_PEAK_GBPS.get(backend))
+    device = jax.devices()[0].device_kind
+    mode = "interpret mode: times are meaningless" if args.interpret else f"peak {peak_gbps} GB/s"
+    shape = f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}"
+    print(f"# Tree attention: Pallas kernel vs jnp reference on {device} ({backend}, {mode})\n")
+    print(f"{shape}, median of {args.iters} calls\n")
+    columns = ["batch", "prefix", "nodes", "kernel us", "reference us", "speedup", "kernel GB/s", "of peak"]
+    print("| " + " | ".join([*columns, "max abs err"]) + " |")
+    print("|" + "---|" * (len(columns) + 1))
+    for batch in ints(args.batches):
+        for prefix in ints(args.prefixes):
+            for nodes in ints(args.nodes):
+                print(bench_one(batch, prefix, nodes, args, peak_gbps), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
