@@ -66,9 +66,30 @@ def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
         print(line + f", finish={c.finish_reason}]\n", flush=True)
 
 
+# Subcommands that live with their feature: module path -> that module has
+# `add_parser(subparsers) -> None` (registering one or more commands) and `run(args) -> int`.
+FEATURE_COMMANDS = {
+    "bench": "jaxspec.bench.cli",
+    "advise": "jaxspec.bench.cli",
+    "train": "jaxspec.train.cli",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="jaxspec")
     sub = parser.add_subparsers(dest="command", required=True)
+    feature_modules = {}
+    for command, module_name in FEATURE_COMMANDS.items():
+        try:
+            module = feature_modules.get(module_name) or importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            continue
+        if module_name not in feature_modules:
+            module.add_parser(sub)
+            feature_modules[module_name] = module
+        feature_modules[command] = module
     gen = sub.add_parser("generate", help="generate from --prompt, or a JSONL batch job with --input")
     _add_generation_args(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -82,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             from jaxspec.batch_job import main as batch_main
 
             return batch_main(sys.argv[2:] if argv is None else argv[1:])
+        if args.command in feature_modules:
+            if rest:
+                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return int(feature_modules[args.command].run(args) or 0)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "generate":

@@ -27,6 +27,8 @@ class Model:
     params: nnx.State
     tokenizer: Any
     source: str
+    # Device mesh the params are sharded over (`jaxspec.load(..., mesh=)`); None = one device.
+    mesh: jax.sharding.Mesh | None = None
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -1,0 +1,140 @@
+"""The speculative engine: greedy equality with autoregressive decoding, stateless randomness, no retrace."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.spec.engine import speculative_loop
+from tests.tiny_models import save_tiny
+
+REPETITIVE = [3, 14, 15, 92, 65, 35, 89, 79]
+PROMPTS = [REPETITIVE * 3, [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], REPETITIVE * 2 + [1, 2], list(range(30, 60))]
+
+SPECS = {
+    "ngram_chain": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "topk": 3},
+    "draft_model_chain": {"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_spec")
+    save_tiny("llama", path)
+    return jaxspec.load(str(path))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_autoregressive_tiny(tiny, name, batch):
+    prompts = PROMPTS[:batch]
+    reference = jaxspec.generate(tiny, prompts, max_new_tokens=40)
+    speculative = jaxspec.generate(tiny, prompts, max_new_tokens=40, spec=SPECS[name])
+    for ref, spec in zip(reference, speculative, strict=True):
+        assert spec.token_ids == ref.token_ids
+        assert spec.stats["rounds"] >= 1
+        assert sum(spec.stats["accepted_by_depth"][:1]) <= spec.stats["rounds"]
+
+
+def test_self_drafting_accepts_every_draft(tiny):
+    """Oracle: the target drafting for itself must have every draft accepted (tau = depth + 1)."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3}
+    out = jaxspec.generate(tiny, PROMPTS, max_new_tokens=41, spec=spec)
+    for c in out:
+        assert c.stats["rounds"] == 10
+        assert c.stats["mean_accepted_length"] == pytest.approx(4.0)
+        assert c.stats["accepted_by_depth"] == [10, 10, 10]
+
+
+def test_ngram_accepts_on_repetitive_text(tiny):
+    (c,) = jaxspec.generate(tiny, [REPETITIVE * 4], max_new_tokens=40, spec=SPECS["ngram_chain"])
+    (ar,) = jaxspec.generate(tiny, [REPETITIVE * 4], max_new_tokens=40)
+    assert c.token_ids == ar.token_ids
+    assert c.stats["rounds"] < 39  # some drafts were accepted
+
+
+def test_sampled_request_alone_equals_inside_a_batch(tiny):
+    sampling = jaxspec.SamplingParams(temperature=1.0, top_k=50, top_p=0.95)
+    spec = SPECS["ngram_tree"]
+    batch = jaxspec.generate(
+        tiny,
+        PROMPTS,
+        max_new_tokens=24,
+        sampling=sampling,
+        seed=[7, 8, 9, 10],
+        spec=spec,
+        request_ids=[1, 2, 3, 4],
+    )
+    for i in (0, 2):
+        (alone,) = jaxspec.generate(
+            tiny,
+            [PROMPTS[i]],
+            max_new_tokens=24,
+            sampling=sampling,
+            seed=7 + i,
+            spec=spec,
+            request_ids=[1 + i],
+        )
+        assert alone.token_ids == batch[i].token_ids
+    again = jaxspec.generate(
+        tiny,
+        PROMPTS,
+        max_new_tokens=24,
+        sampling=sampling,
+        seed=[7, 8, 9, 10],
+        spec=spec,
+        request_ids=[1, 2, 3, 4],
+    )
+    assert [c.token_ids for c in again] == [c.token_ids for c in batch]
+    other_seed = jaxspec.generate(
+        tiny,
+        PROMPTS,
+        max_new_tokens=24,
+        sampling=sampling,
+        seed=[1, 2, 3, 4],
+        spec=spec,
+        request_ids=[1, 2, 3, 4],
+    )
+    assert [c.token_ids for c in other_seed] != [c.token_ids for c in batch]
+
+
+def test_no_retrace_across_rounds_and_repeated_calls(tiny):
+    spec = SPECS["ngram_chain"]
+    jaxspec.generate(tiny, PROMPTS[:2], max_new_tokens=30, spec=spec)
+    before = speculative_loop._cache_size()
+    jaxspec.generate(tiny, PROMPTS[2:], max_new_tokens=20, spec=spec, seed=3)
+    jaxspec.generate(tiny, [[4] * 20, [5] * 17], max_new_tokens=32, spec=spec)
+    assert speculative_loop._cache_size() == before
+
+
+def _first_divergence_margin(model, prompt, ours, reference):
+    """Logit margin (top-1 minus top-2) of the target at the first position where outputs differ."""
+    for j, (a, b) in enumerate(zip(ours, reference, strict=False)):
+        if a != b:
+            logits = model.logits(list(prompt) + reference[:j])[-1]
+            top2 = np.sort(logits)[-2:]
+            return j, float(top2[1] - top2[0])
+    return None, None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_greedy_speculative_equals_autoregressive_smollm2(smollm2, name):
+    spec = dict(SPECS[name])
+    if spec["method"] == "draft_model":
+        spec["draft_num_layers"] = 6
+    texts = [
+        "Summarize: the cat sat on the mat because the mat was warm and the cat was cold.",
+        "Write a Python function that returns the sum of a list.",
+        "List three colors.",
+        "Rewrite formally: gonna be late, traffic is bad.",
+    ]
+    prompts = [smollm2.chat_prompt([{"role": "user", "content": t}]) for t in texts]
+    reference = jaxspec.generate(smollm2, prompts, max_new_tokens=48)
+    for batch in (1, 4):
+        speculative = jaxspec.generate(smollm2, prompts[:batch], max_new_tokens=48, spec=spec)
+        for prompt, ref, out in zip(prompts, reference, speculative, strict=False):
+            step, margin = _first_divergence_margin(smollm2, prompt, out.token_ids, ref.token_ids)
+            assert step is None, f"{name} batch {batch}: diverged at step {step}, logit margin {margin:.2e}"
