@@ -8,12 +8,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.forward import lm_logits, model_forward
 from jaxspec.output_buffer import OutputBuffer, append_tokens
 from jaxspec.prefill import Requests, prefill
+from jaxspec.sharding import constrain_cache
 from jaxspec.spec import sampling
 
 
@@ -30,7 +32,7 @@ class DecodeState:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "config", "max_len", "capacity", "eos_ids", "attention")
+    jax.jit, static_argnames=("graphdef", "config", "max_len", "capacity", "eos_ids", "attention", "mesh")
 )
 def generate_autoregressive(
     graphdef: nnx.GraphDef,
@@ -42,15 +44,17 @@ def generate_autoregressive(
     capacity: int,
     eos_ids: tuple[int, ...],
     attention: str = "auto",
+    mesh: Mesh | None = None,
 ) -> tuple[OutputBuffer, jax.Array]:
     """Prefill + decode loop, one compiled program per (batch, prompt, length) bucket.
 
     Returns the output buffer ([B, capacity] tokens, counts, EOS flags) and steps [B], the number of
-    target forwards each row used after prefill.
+    target forwards each row used after prefill. mesh: keep the KV cache sharded over it (None = one
+    device).
     """
     batch = requests.prompt_tokens.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
-    pre = prefill(graphdef, params, config, requests, max_len, attention=attention)
+    pre = prefill(graphdef, params, config, requests, max_len, attention=attention, mesh=mesh)
     out, _ = append_tokens(
         OutputBuffer.empty(batch, capacity), pre.first_token[:, None], jnp.ones((batch,), jnp.int32),
         requests.max_new_tokens, eos,
@@ -61,9 +65,9 @@ def generate_autoregressive(
         positions = state.cache.lengths[:, None]
         hidden, _, cache = model_forward(
             graphdef, params, state.pending[:, None], positions, state.cache, one_node_mask,
-            attention=attention,
+            attention=attention, mesh=mesh,
         )  # fmt: skip
-        cache = dataclasses.replace(cache, lengths=cache.lengths + 1)
+        cache = constrain_cache(dataclasses.replace(cache, lengths=cache.lengths + 1), mesh)
         probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), requests.sampling)
         keys = sampling.derive_key(requests.seeds, requests.request_ids, state.step, sampling.PURPOSE_BONUS)
         token = sampling.sample_from_probs(probs, keys)

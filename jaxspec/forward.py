@@ -10,12 +10,20 @@ from jaxspec.cache import KVCache
 from pallas_kernels import tree_attention
 
 
-def attention_for(impl: str):
-    """The verify/prefill attention function for SpecConfig.attention ("auto" | "reference" | "pallas")."""
+def attention_for(impl: str, mesh: jax.sharding.Mesh | None = None):
+    """The verify/prefill attention function for SpecConfig.attention ("auto" | "reference" | "pallas").
+
+    With a mesh it runs per shard (`jaxspec.sharding.shard_attention`): local rows and kv heads, no
+    collective, and Pallas kernels see unsharded local arrays.
+    """
 
     def attention_fn(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, *, scale):
         return tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, scale=scale, impl=impl)
 
+    if mesh is not None:
+        from jaxspec.sharding import shard_attention
+
+        return shard_attention(attention_fn, mesh)
     return attention_fn
 
 
@@ -29,13 +37,15 @@ def model_forward(
     *,
     attention: str = "auto",
     capture_layers: tuple[int, ...] = (),
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
     """tokens/positions [B, N], tree_mask [B, N, N] -> (final hidden [B, N, d], captured, cache).
 
     The new tokens' keys/values are written at [cache.lengths, cache.lengths + N); lengths unchanged.
+    mesh: the mesh params and cache are sharded over (attention then runs per shard); None = one device.
     """
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, cache, tree_mask, attention_for(attention), capture_layers)
+    return model(tokens, positions, cache, tree_mask, attention_for(attention, mesh), capture_layers)
 
 
 def lm_logits(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:

@@ -8,16 +8,17 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.autoregressive import generate_autoregressive
 from jaxspec.buckets import batch_bucket, length_bucket
 from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.distributed import to_host
 from jaxspec.errors import InputError
 from jaxspec.model import Model
 from jaxspec.prefill import Requests
+from jaxspec.sharding import place_batch
 from jaxspec.spec.sampling import SamplingArrays
 
 Prompt = str | Sequence[int]
@@ -134,21 +135,24 @@ def generate(
         request_ids=jnp.asarray(ids + [0] * pad, jnp.int32),
         sampling=SamplingArrays.from_params(list(sampling_list) + [SamplingParams()] * pad, rows),
     )
+    if model.mesh is not None:  # rows over the "data" axis (every process passes the same inputs)
+        requests = place_batch(requests, model.mesh)
     start = time.perf_counter()
     if spec is None or spec.method is None:
         out, rounds = generate_autoregressive(
             model.graphdef, model.params, requests, config=model.config,
             max_len=prompt_len + new_bucket + 1, capacity=new_bucket + 1,
-            eos_ids=model.eos_token_ids, attention=spec.attention if spec else "auto",
+            eos_ids=model.eos_token_ids, attention=spec.attention if spec else "auto", mesh=model.mesh,
         )  # fmt: skip
         extra: dict[str, np.ndarray] = {}
     else:
         from jaxspec.spec.engine import generate_speculative
 
         out, rounds, extra = generate_speculative(model, requests, spec, prompt_len, new_bucket)
-    out_tokens, counts, stopped, rounds = jax.device_get((out.tokens, out.count, out.stopped, rounds))
+    # to_host: also for outputs spread over several processes (gathered to every process).
+    out_tokens, counts, stopped, rounds = to_host((out.tokens, out.count, out.stopped, rounds))
     elapsed = time.perf_counter() - start
-    extra = jax.device_get(extra)
+    extra = to_host(extra)
     completions = []
     for i in range(n):
         ids_i = [int(t) for t in out_tokens[i, : counts[i]]]

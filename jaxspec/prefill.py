@@ -7,10 +7,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.forward import causal_mask, last_valid, lm_logits, model_forward
+from jaxspec.sharding import constrain_cache
 from jaxspec.spec import sampling
 
 
@@ -55,26 +57,29 @@ def prefill(
     *,
     attention: str = "auto",
     capture_layers: tuple[int, ...] = (),
+    mesh: Mesh | None = None,
 ) -> PrefillResult:
     """Prefill the prompts into a fresh cache of max_len slots and sample the first new token.
 
     The first token is drawn with the key of round 0, purpose PURPOSE_BONUS, from the processed
-    target distribution at each row's last prompt position.
+    target distribution at each row's last prompt position. With a mesh the cache is created sharded
+    (`jaxspec.sharding.cache_shardings`).
     """
     tokens = requests.prompt_tokens
     batch, p = tokens.shape
     dtype = params_dtype(params)
-    cache = KVCache.zeros(config, batch, max_len, dtype)
+    cache = constrain_cache(KVCache.zeros(config, batch, max_len, dtype), mesh)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (batch, p))
     hidden, captured, cache = model_forward(
         graphdef, params, tokens, positions, cache, causal_mask(batch, p),
-        attention=attention, capture_layers=capture_layers,
+        attention=attention, capture_layers=capture_layers, mesh=mesh,
     )  # fmt: skip
     logits = lm_logits(graphdef, params, last_valid(hidden, requests.prompt_lengths))
     probs = sampling.process_logits(logits, requests.sampling)
     keys = sampling.derive_key(requests.seeds, requests.request_ids, 0, sampling.PURPOSE_BONUS)
     first = sampling.sample_from_probs(probs, keys)
     cache = dataclasses.replace(cache, lengths=requests.prompt_lengths.astype(jnp.int32))
+    cache = constrain_cache(cache, mesh)
     return PrefillResult(cache=cache, first_token=first, hidden=hidden, captured=captured)
 
 

@@ -7,6 +7,8 @@ Loaders (GGUF, safetensors directories) return tensors under Hugging Face names 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,9 +46,17 @@ def abstract_model(config: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef,
 
 
 def state_from_hf_tensors(
-    config: ModelConfig, tensors: dict[str, np.ndarray], dtype: jnp.dtype, source: str = "<tensors>"
+    config: ModelConfig,
+    tensors: dict[str, np.ndarray],
+    dtype: jnp.dtype,
+    source: str = "<tensors>",
+    place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Build (graphdef, params) for `config` from HF-named tensors; errors name the missing/bad key."""
+    """Build (graphdef, params) for `config` from HF-named tensors; errors name the missing/bad key.
+
+    place(param path, host array) -> device array puts each parameter on the devices (e.g. sharded
+    over a mesh, see `jaxspec.sharding.param_placer`); None = `jnp.asarray` on the default device.
+    """
     graphdef, abstract = abstract_model(config, dtype)
     expected = dict(nnx.to_flat_state(abstract))
     filled: dict[tuple, jax.Array] = {}
@@ -62,7 +72,7 @@ def state_from_hf_tensors(
         want = tuple(expected[path].shape) if hasattr(expected[path], "shape") else expected[path][...].shape
         if value.shape != want:
             raise ModelLoadError(f"{source}: tensor {name!r} has shape {value.shape}, expected {want}")
-        filled[path] = jnp.asarray(value, dtype=dtype)
+        filled[path] = place(path, value) if place is not None else jnp.asarray(value, dtype=dtype)
     missing = [p for p in expected if p not in filled]
     if missing:
         names = [".".join(str(x) for x in p) for p in missing[:5]]

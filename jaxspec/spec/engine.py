@@ -11,12 +11,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxspec.cache import KVCache, commit_path
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.forward import lm_logits, model_forward
 from jaxspec.output_buffer import OutputBuffer, append_tokens
 from jaxspec.prefill import Requests, prefill
+from jaxspec.sharding import constrain_cache, constrain_caches, shard_params
 from jaxspec.spec import sampling
 from jaxspec.spec.drafters import Drafter, make_drafter
 from jaxspec.spec.round_context import RoundContext
@@ -54,7 +56,7 @@ def write_history(history: jax.Array, history_len: jax.Array, tokens: jax.Array)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "config", "drafter", "spec", "max_len", "capacity", "eos_ids"),
+    static_argnames=("graphdef", "config", "drafter", "spec", "max_len", "capacity", "eos_ids", "mesh"),
 )
 def speculative_loop(
     graphdef: nnx.GraphDef,
@@ -68,15 +70,20 @@ def speculative_loop(
     max_len: int,
     capacity: int,
     eos_ids: tuple[int, ...],
+    mesh: Mesh | None = None,
 ) -> tuple[OutputBuffer, jax.Array, jax.Array]:
-    """Prefill + speculative rounds. Returns (output buffer, rounds [B], accepted_by_depth [B, D])."""
+    """Prefill + speculative rounds. Returns (output buffer, rounds [B], accepted_by_depth [B, D]).
+
+    mesh: keep the target's KV cache (and any KVCache in the drafter state) sharded over it every
+    round; None = one device.
+    """
     batch, prompt_len = requests.prompt_tokens.shape
     depth = drafter.max_depth
     n_nodes = drafter.num_nodes
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     pre = prefill(
         graphdef, params, config, requests, max_len,
-        attention=spec.attention, capture_layers=drafter.capture_layers,
+        attention=spec.attention, capture_layers=drafter.capture_layers, mesh=mesh,
     )  # fmt: skip
     out, _ = append_tokens(
         OutputBuffer.empty(batch, capacity), pre.first_token[:, None], jnp.ones((batch,), jnp.int32),
@@ -90,7 +97,7 @@ def speculative_loop(
         out=out,
         history=history,
         history_len=requests.prompt_lengths + 1,
-        drafter_state=drafter.init(draft_params, params, pre, requests, max_len),
+        drafter_state=constrain_caches(drafter.init(draft_params, params, pre, requests, max_len), mesh),
         rounds=jnp.zeros((batch,), jnp.int32),
         accepted_by_depth=jnp.zeros((batch, depth), jnp.int32),
         round_idx=jnp.int32(1),
@@ -111,17 +118,18 @@ def speculative_loop(
         hidden, captured, cache = model_forward(
             graphdef, params, tree.tokens, tree_positions(tree, s.cache.lengths), s.cache,
             ancestor_mask(tree), attention=spec.attention, capture_layers=drafter.capture_layers,
+            mesh=mesh,
         )  # fmt: skip
         target_probs = sampling.process_logits(lm_logits(graphdef, params, hidden), requests.sampling)
-        accept_keys = sampling.derive_key(
-            requests.seeds, requests.request_ids, s.round_idx, sampling.PURPOSE_ACCEPT
-        )
+        # verify_tree folds in its own purposes (accept coins, residual, bonus) onto the round key.
+        accept_keys = sampling.round_key(requests.seeds, requests.request_ids, s.round_idx)
         result = sampling.verify_tree(
             tree, target_probs, accept_keys, mode=spec.acceptance, max_depth=depth,
             typical_epsilon=spec.typical_epsilon, typical_delta=spec.typical_delta,
         )  # fmt: skip
         num_accepted = jnp.where(active, result.num_accepted, 0)
         cache = commit_path(cache, result.path, jnp.where(active, num_accepted + 1, 0), window=n_nodes)
+        cache = constrain_cache(cache, mesh)
         emitted = jnp.concatenate([result.accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
         emitted = jax.vmap(lambda row, at, tok: row.at[at].set(tok))(emitted, num_accepted, result.next_token)
         out, _ = append_tokens(s.out, emitted, num_accepted + 1, requests.max_new_tokens, eos)
@@ -134,6 +142,7 @@ def speculative_loop(
         drafter_state = drafter.update(
             draft_params, params, drafter_state, ctx, tree, result, features, active
         )
+        drafter_state = constrain_caches(drafter_state, mesh)
         by_depth = (jnp.arange(depth)[None, :] < num_accepted[:, None]) & active[:, None]
         return SpecState(
             cache=cache,
@@ -153,12 +162,16 @@ def speculative_loop(
 def generate_speculative(model, requests: Requests, spec: SpecConfig, prompt_len: int, new_bucket: int):
     """Run the speculative loop for a bucketed batch; returns (out, rounds, extra per-row stats)."""
     drafter, draft_params = make_drafter(model, spec)
+    if model.mesh is not None:  # draft / head weights follow the same rules table as the target's
+        own_config = getattr(drafter, "config", None)  # an independent draft model's ModelConfig
+        draft_config = own_config if isinstance(own_config, ModelConfig) else model.config
+        draft_params = shard_params(draft_params, model.mesh, config=draft_config)
     slack = drafter.max_depth + 1
     capacity = new_bucket + slack
     max_len = prompt_len + capacity + drafter.num_nodes + slack
     out, rounds, by_depth = speculative_loop(
         model.graphdef, model.params, draft_params, requests,
         config=model.config, drafter=drafter, spec=spec, max_len=max_len, capacity=capacity,
-        eos_ids=model.eos_token_ids,
+        eos_ids=model.eos_token_ids, mesh=model.mesh,
     )  # fmt: skip
     return out, rounds, {"accepted_by_depth": by_depth}
