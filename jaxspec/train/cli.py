@@ -1,0 +1,203 @@
+"""`jaxspec train`: self-distil data, write target features, train a draft head, export it.
+
+Every stage is resumable and skips work already done (rerun the same command, with --resume for the
+train stage after a kill). Work files live in --workdir and are shared by all methods of one target:
+  distill.jsonl     the target's own responses to the training prompts
+  features/         tensorstore feature store (final hidden + EAGLE-3 layers)
+  run_<method>/     Orbax checkpoints, metrics.jsonl, curves.png
+The exported head goes to --output (`SpecConfig(method=..., head=OUTPUT)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+STAGES = ("distill", "features", "train", "export")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a draft head (medusa | eagle | eagle3 | mtp) for a model")
+    p.add_argument("--method", required=True, choices=("medusa", "eagle", "eagle3", "mtp"))
+    p.add_argument("--model", default="smollm2-135m", help="target: model name, .gguf file or HF directory")
+    p.add_argument("--workdir", required=True, help="data, features and checkpoints (shared by methods)")
+    p.add_argument("--output", help="exported head directory (default WORKDIR/head_<method>)")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    p.add_argument("--prompts", help="JSONL of {id, prompt} (default: jaxspec's own training prompt set)")
+    p.add_argument("--exclude", help="JSONL whose prompts must not be trained on (e.g. a dev set)")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gen-batch", type=int, default=16, help="distillation batch size")
+    p.add_argument("--max-len", type=int, default=256, help="prompt + response tokens kept per sequence")
+    p.add_argument("--feature-batch", type=int, default=8)
+    p.add_argument("--feature-mode", choices=("offline", "online"), default="offline")
+    p.add_argument("--window", type=int, default=None, help="train on random windows of this many tokens")
+    p.add_argument("--depth", type=int, default=4, help="Medusa heads / EAGLE-3 TTT steps / MTP depths")
+    p.add_argument("--num-positions", type=int, default=32, help="loss positions per sequence (full vocab)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    p.add_argument("--medusa-layers", type=int, default=1)
+    p.add_argument("--mtp-modules", type=int, default=1)
+    p.add_argument("--backbone-weight", type=float, default=0.0, help="MTP: >0 trains the target jointly")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip-norm", type=float, default=0.5)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--keep-checkpoints", type=int, default=2)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue training from the latest checkpoint")
+    p.add_argument("--save-dtype", default="bfloat16")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _prompt_rows(args: argparse.Namespace) -> list[dict]:
+    from jaxspec.train.prompts import load_prompt_texts, training_prompts
+
+    exclude = load_prompt_texts(args.exclude) if args.exclude else []
+    if args.prompts:
+        from jaxspec.train.distill import read_jsonl_rows
+        from jaxspec.train.prompts import NearDuplicateIndex
+
+        index = NearDuplicateIndex(exclude)
+        rows = [r for r in read_jsonl_rows(args.prompts, repair=False) if not index.contains(r["prompt"])]
+    else:
+        rows = training_prompts(exclude=exclude, seed=args.seed)
+    return rows[: args.num_prompts]
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    import jaxspec
+    from jaxspec.train.distill import distill, read_jsonl_rows
+
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        print(f"jaxspec train: unknown stage(s) {bad}; choose from {STAGES}", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    output = Path(args.output or workdir / f"head_{args.method}")
+    progress = not args.no_progress
+    model = jaxspec.load(args.model)
+    timings: dict[str, float] = {}
+
+    start = time.perf_counter()
+    if "distill" in stages:
+        distill(
+            model, _prompt_rows(args), workdir / "distill.jsonl", max_new_tokens=args.max_new_tokens,
+            batch_size=args.gen_batch, seed=args.seed, progress=progress,
+        )  # fmt: skip
+        timings["distill_s"] = time.perf_counter() - start
+    rows = read_jsonl_rows(workdir / "distill.jsonl")
+    if not rows:
+        print(
+            f"jaxspec train: no distilled data in {workdir / 'distill.jsonl'} (run the distill stage)",
+            file=sys.stderr,
+        )
+        return 2
+
+    from jaxspec.models.heads.configs import default_eagle3_layers
+    from jaxspec.train.features import FeatureStore, write_features
+
+    capture = tuple(default_eagle3_layers(model.config.num_layers))
+    store_path = workdir / "features"
+    if "features" in stages and args.feature_mode == "offline":
+        t0 = time.perf_counter()
+        write_features(
+            model, rows, store_path, max_len=args.max_len, capture_layers=capture,
+            batch_size=args.feature_batch, progress=progress,
+        )  # fmt: skip
+        timings["features_s"] = time.perf_counter() - t0
+
+    result = None
+    head = None
+    if "train" in stages or "export" in stages:
+        from jaxspec.train.head_setup import draft_vocabulary, head_config_for, new_head
+        from jaxspec.train.losses import Objective
+        from jaxspec.train.trainer import TrainConfig, split_trainable, train
+
+        config = head_config_for(
+            args.method, model.config, depth=args.depth, draft_vocab_size=args.draft_vocab,
+            medusa_layers=args.medusa_layers, mtp_modules=args.mtp_modules, eagle3_layers=capture,
+        )  # fmt: skip
+        draft_ids = None
+        if args.method == "eagle3":  # fixed at the first run: more data later must not change it
+            vocab_file = workdir / f"run_{args.method}" / "draft_vocab.npy"
+            if vocab_file.exists():
+                draft_ids = np.load(vocab_file)
+            else:
+                draft_ids = draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
+                vocab_file.parent.mkdir(parents=True, exist_ok=True)
+                np.save(vocab_file, draft_ids)
+        head = new_head(config, seed=args.seed, draft_ids=draft_ids)
+        trainable, head_fixed = split_trainable(head.params)
+        objective = Objective(
+            head.graphdef, config, model.graphdef, model.config,
+            depth=1 if args.method == "eagle" else args.depth,
+            num_positions=args.num_positions, backbone_weight=args.backbone_weight,
+        )  # fmt: skip
+        train_config = TrainConfig(
+            steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=args.warmup,
+            weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed,
+            checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
+            log_every=args.log_every,
+            window=args.window,
+        )  # fmt: skip
+        online = args.feature_mode == "online" or args.backbone_weight > 0
+        source = OnlineSource(rows, args.max_len) if online else FeatureStore.open(store_path)
+        params = {"head": trainable}
+        if args.backbone_weight > 0:
+            params["backbone"] = model.params
+        t0 = time.perf_counter()
+        result = train(
+            objective, params, {"target": model.params, "head_fixed": head_fixed}, source,
+            workdir / f"run_{args.method}", train_config, online=online,
+            resume=args.resume or "train" not in stages, progress=progress,
+            stop_after=None if "train" in stages else 0,
+        )  # fmt: skip
+        timings["train_s"] = time.perf_counter() - t0
+        last = result.metrics[-1] if result.metrics else {}
+        print(json.dumps({"method": args.method, "step": result.step, "last": last, **timings}))
+
+    if "export" in stages and result is not None:
+        from flax import nnx
+
+        from jaxspec.train.export import save_head
+
+        info = {
+            "target": args.model, "command": "jaxspec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            "steps": result.step, "sequences": len(rows), **timings,
+            "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
+        }  # fmt: skip
+        params = nnx.merge_state(result.trainable["head"], head_fixed)
+        curves = workdir / f"run_{args.method}" / "curves.png"
+        save_head(output, head.config, head.graphdef, params, dtype=args.save_dtype, info=info, curves=curves)
+        print(f"saved {args.method} head to {output}")
+    return 0
+
+
+@dataclasses.dataclass
+class OnlineSource:
+    """Token sequences only; the train step runs the target for the features (--feature-mode online)."""
+
+    rows: list[dict]
+    max_len: int
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.rows)
+
+    def read(self, indices, names=None):
+        from jaxspec.train.features import pack_sequences
+
+        return pack_sequences([self.rows[i] for i in indices], self.max_len)

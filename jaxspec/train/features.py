@@ -1,0 +1,228 @@
+"""Target features for head training: a tensorstore (zarr3) store written offline, or computed online.
+
+Store layout (one directory), sequences padded to `max_len` along the token axis:
+  tokens   [N, L]         int32  prompt + response token ids (0 after the sequence)
+  lengths  [N]            int32  tokens in the sequence
+  starts   [N]            int32  first response position (loss is taken on positions >= start - 1)
+  hidden   [N, L, d]      post-norm final hidden state of the target (EAGLE-1 features, Medusa input)
+  layers   [N, L, k * d]  outputs of the captured decoder layers, concatenated (EAGLE-3 input), if k > 0
+  meta.json               {"num_committed", "max_len", "capture_layers", "dtype", "ids"}
+Chunks are one sequence each, so appending is a metadata resize plus new chunk files. `meta.json` is
+replaced atomically after every batch's writes have completed: rows past num_committed (a batch in
+flight when the writer was killed) are ignored and rewritten on resume; nothing committed is lost.
+
+Online mode: `target_features` is a pure function usable inside a jitted train step (the target
+forward runs every step instead of once); see `jaxspec.train.trainer` and the measurement in the README.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+from flax import nnx
+from tqdm import tqdm
+
+from jaxspec.cache import KVCache
+from jaxspec.config import ModelConfig
+from jaxspec.forward import causal_mask, model_forward
+
+META = "meta.json"
+
+
+def target_features(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    *,
+    config: ModelConfig,
+    capture_layers: tuple[int, ...] = (),
+    stop_gradient: bool = True,
+    cache: KVCache | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """tokens [B, L] -> (final hidden [B, L, d], captured layers concatenated [B, L, k * d] or None).
+
+    One causal forward of the target (gradients stopped unless `stop_gradient=False`, for a trainable
+    backbone); padding after a sequence cannot change its positions' features. `cache`: an empty
+    KVCache of n slots made outside `jax.jit` (a cache built inside is a constant that XLA spends
+    minutes constant-folding through every layer's attention on a CPU); None builds one here.
+    """
+    b, n = tokens.shape
+    if cache is None:
+        cache = KVCache.zeros(config, b, n, jax.tree.leaves(params)[0].dtype)
+    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    hidden, captured, _ = model_forward(
+        graphdef, params, tokens, positions, cache, causal_mask(b, n),
+        attention="reference", capture_layers=capture_layers,
+    )  # fmt: skip
+    layers = jnp.concatenate(captured, axis=-1) if captured else None
+    if not stop_gradient:
+        return hidden, layers
+    return jax.lax.stop_gradient(hidden), None if layers is None else jax.lax.stop_gradient(layers)
+
+
+_jit_target_features = jax.jit(
+    target_features, static_argnames=("graphdef", "config", "capture_layers", "stop_gradient")
+)
+
+
+def pack_sequences(rows: Sequence[dict], max_len: int) -> dict[str, np.ndarray]:
+    """Distill rows -> {"tokens" [B, L], "lengths" [B], "starts" [B]} (prompt + response, truncated)."""
+    tokens = np.zeros((len(rows), max_len), np.int32)
+    lengths = np.zeros((len(rows),), np.int32)
+    starts = np.zeros((len(rows),), np.int32)
+    for i, row in enumerate(rows):
+        ids = (list(row["prompt_ids"]) + list(row["response_ids"]))[:max_len]
+        tokens[i, : len(ids)] = ids
+        lengths[i] = len(ids)
+        starts[i] = min(len(row["prompt_ids"]), max_len)
+    return {"tokens": tokens, "lengths": lengths, "starts": starts}
+
+
+def _spec(path: Path, name: str, dtype: str, shape: tuple[int, ...], create: bool) -> dict:
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / name)}}
+    if create:
+        spec["metadata"] = {
+            "shape": list(shape), "data_type": dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape[1:]]}},
+        }  # fmt: skip
+    return spec
+
+
+@dataclasses.dataclass
+class FeatureStore:
+    """An open feature store (see the module docstring). `arrays` maps name -> tensorstore."""
+
+    path: Path
+    meta: dict
+    arrays: dict[str, ts.TensorStore]
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.meta["num_committed"])
+
+    @property
+    def max_len(self) -> int:
+        return int(self.meta["max_len"])
+
+    @classmethod
+    def open_or_create(
+        cls, path: str | Path, *, max_len: int, hidden_size: int, capture_layers: tuple[int, ...],
+        dtype: str = "float32",
+    ) -> FeatureStore:  # fmt: skip
+        """Open an existing store (its layout must match) or create an empty one."""
+        path = Path(path)
+        if (path / META).exists():
+            store = cls.open(path)
+            want = {"max_len": max_len, "capture_layers": list(capture_layers), "dtype": dtype}
+            have = {k: store.meta[k] for k in want}
+            if have != want:
+                raise ValueError(f"feature store {path}: layout {have} != requested {want}")
+            return store
+        path.mkdir(parents=True, exist_ok=True)
+        shapes = {
+            "tokens": ("int32", (0, max_len)), "lengths": ("int32", (0,)), "starts": ("int32", (0,)),
+            "hidden": (dtype, (0, max_len, hidden_size)),
+        }  # fmt: skip
+        if capture_layers:
+            shapes["layers"] = (dtype, (0, max_len, hidden_size * len(capture_layers)))
+        for name, (dt, shape) in shapes.items():
+            ts.open(_spec(path, name, dt, shape, True), create=True, delete_existing=True).result()
+        meta = {"num_committed": 0, "max_len": max_len, "capture_layers": list(capture_layers),
+                "dtype": dtype, "ids": []}  # fmt: skip
+        _write_meta(path, meta)
+        return cls.open(path)
+
+    @classmethod
+    def open(cls, path: str | Path) -> FeatureStore:
+        path = Path(path)
+        meta = json.loads((path / META).read_text())
+        names = ["tokens", "lengths", "starts", "hidden"] + (["layers"] if meta["capture_layers"] else [])
+        arrays = {name: ts.open(_spec(path, name, "", (), False)).result() for name in names}
+        return cls(path=path, meta=meta, arrays=arrays)
+
+    def append(self, ids: Sequence[str], batch: dict[str, np.ndarray]) -> None:
+        """Write rows [num_committed, num_committed + B) of every array, then commit them."""
+        start, b = self.num_sequences, len(ids)
+        futures = []
+        for name, array in self.arrays.items():
+            if array.shape[0] < start + b:
+                array = array.resize(exclusive_max=[start + b, *array.shape[1:]], expand_only=True).result()
+                self.arrays[name] = array
+            futures.append(
+                array[start : start + b].write(np.asarray(batch[name]).astype(array.dtype.numpy_dtype))
+            )
+        for f in futures:
+            f.result()
+        self.meta["num_committed"] = start + b
+        self.meta["ids"] = list(self.meta["ids"]) + list(ids)
+        _write_meta(self.path, self.meta)
+
+    def read(self, indices: Sequence[int], names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Rows `indices` of the named arrays (default all) as numpy arrays [len(indices), ...]."""
+        names = list(names or self.arrays)
+        idx = np.asarray(indices, np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_sequences):
+            raise IndexError(f"feature store {self.path}: index outside [0, {self.num_sequences})")
+        futures = {name: self.arrays[name][ts.d[0].translate_to[0]].oindex[idx].read() for name in names}
+        return {name: np.asarray(f.result()) for name, f in futures.items()}
+
+
+def _write_meta(path: Path, meta: dict) -> None:
+    tmp = path / (META + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / META)
+
+
+def write_features(
+    model,
+    rows: Sequence[dict],
+    path: str | Path,
+    *,
+    max_len: int = 256,
+    capture_layers: tuple[int, ...] = (),
+    batch_size: int = 8,
+    dtype: str = "float32",
+    progress: bool = True,
+) -> FeatureStore:
+    """Run the target over distill `rows` and append their features to the store at `path`.
+
+    Resumable: rows already committed (by id, in order) are skipped. Returns the open store.
+    """
+    store = FeatureStore.open_or_create(
+        path,
+        max_len=max_len,
+        hidden_size=model.config.hidden_size,
+        capture_layers=capture_layers,
+        dtype=dtype,
+    )
+    done = set(store.meta["ids"])
+    todo = [r for r in rows if r["id"] not in done]
+    empty = KVCache.zeros(model.config, batch_size, max_len, model.dtype)
+    run = functools.partial(
+        _jit_target_features, model.graphdef, model.params, config=model.config,
+        capture_layers=capture_layers, cache=empty,
+    )  # fmt: skip
+    for start in tqdm(range(0, len(todo), batch_size), desc="features", disable=not progress):
+        chunk = todo[start : start + batch_size]
+        packed = pack_sequences(chunk, max_len)
+        tokens = packed["tokens"]
+        if len(chunk) < batch_size:  # keep one compiled shape
+            tokens = np.concatenate([tokens, np.zeros((batch_size - len(chunk), max_len), np.int32)])
+        hidden, layers = jax.device_get(run(jnp.asarray(tokens)))
+        packed["hidden"] = hidden[: len(chunk)]
+        if capture_layers:
+            packed["layers"] = layers[: len(chunk)]
+        store.append([r["id"] for r in chunk], packed)
+    return store

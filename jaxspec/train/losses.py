@@ -1,0 +1,276 @@
+"""Training objectives of the draft heads, as pure functions of (trainable, fixed, batch, key).
+
+Batch (from the feature store or the online target forward), sequences padded to L:
+  tokens [B, L] int32, lengths [B], starts [B] (first response position), hidden [B, L, d] (target's
+  post-norm final hidden), layers [B, L, k * d] (EAGLE-3's captured layers); optionally offset [B], the
+  position of slot 0 when the batch is a window cropped from longer sequences (lengths/starts relative).
+Only response tokens are labels: a prediction of the token at position p counts when
+starts <= p < lengths. `fixed` holds the frozen target parameters ("target") and the head's non-trained
+variables ("head_fixed", e.g. EAGLE-3's vocabulary maps). Every objective returns
+(loss, {"depth_loss": [D], "depth_acc": [D]}), depth j (0-based) being draft depth j + 1; accuracy is
+top-1 agreement with the label (hard-label heads) or with the target's argmax (EAGLE's soft labels;
+EAGLE-3: the argmax within the draft vocabulary).
+
+  Medusa-1  head j at hidden h_i predicts t_(i+2+j); cross entropy per head (hard self-distilled labels).
+  EAGLE-1   pair i = (f_i + uniform noise, t_(i+1)) -> predicted f_(i+1): SmoothL1 to the target feature
+            + 0.1 x soft cross entropy against the target's distribution at i + 1 (its LM head).
+  EAGLE-3   training-time test: step s feeds pair i the head's own step s - 1 output and t_(i+1+s) at
+            rotary position i + s; queries see step 0's keys causally and their own earlier steps'
+            keys at the same position (the drafting pattern); soft CE over the draft vocabulary
+            (target renormalised there) weighted 0.8^s.
+  MTP       module s at position i reads (t_(i+s+1), h_i^s) and predicts t_(i+s+2); CE per depth; with
+            `backbone_weight` > 0 the target is trained too: main next-token CE + lambda x MTP loss.
+The target's LM head over the full vocabulary dominates the cost on a CPU, so the Medusa, EAGLE-1 and
+MTP cross entropies are taken at `num_positions` positions per sequence drawn from the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec.config import ModelConfig
+from jaxspec.forward import embed_tokens, lm_logits
+from jaxspec.models.heads.configs import Eagle3Config, EagleConfig, HeadConfig, MedusaConfig, MtpConfig
+from jaxspec.models.heads.layers import AttentionInputs, causal_visible, empty_cache_inputs
+from jaxspec.models.heads.medusa import medusa_logits
+from jaxspec.models.heads.mtp import mtp_module_forward
+
+EAGLE_VALUE_WEIGHT = 1.0
+EAGLE_PROB_WEIGHT = 0.1
+EAGLE3_STEP_DECAY = 0.8
+
+
+def label_mask(batch: dict[str, jax.Array], offset: int, n: int) -> jax.Array:
+    """[B, n] True where position i's label t_(i + offset) is a response token."""
+    p = jnp.arange(n)[None, :] + offset
+    return (p >= batch["starts"][:, None]) & (p < batch["lengths"][:, None])
+
+
+def batch_positions(batch: dict[str, jax.Array], n: int) -> jax.Array:
+    """[B, n] rotary positions of a batch's first n slots: its window "offset" (0 uncropped) + index."""
+    offset = batch.get("offset", jnp.zeros_like(batch["lengths"]))
+    return offset[:, None] + jnp.arange(n)[None, :]
+
+
+def shifted(x: jax.Array, shift: int, n: int) -> jax.Array:
+    """x [B, L, ...] -> [B, n, ...] with row i = x[:, i + shift] (zeros past the end)."""
+    pad = [(0, 0), (0, max(0, shift + n - x.shape[1]))] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x, pad)[:, shift : shift + n]
+
+
+def sample_positions(key: jax.Array, valid: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
+    """valid [B, N] -> (indices [B, P], weight [B, P]): P = min(num, N) distinct valid positions per row
+    drawn uniformly (fewer valid ones: the rest get weight 0)."""
+    if num >= valid.shape[1]:
+        idx = jnp.broadcast_to(jnp.arange(valid.shape[1]), valid.shape)
+        return idx, valid.astype(jnp.float32)
+    scores = jnp.where(valid, jax.random.uniform(key, valid.shape), -1.0)
+    top, idx = jax.lax.top_k(scores, num)
+    return idx, (top >= 0).astype(jnp.float32)
+
+
+def take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, N, ...], idx [B, P] -> [B, P, ...]."""
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def masked_mean(values: jax.Array, weight: jax.Array) -> jax.Array:
+    return (values * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+
+
+def hard_ce(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [..., V], labels [...] -> (cross entropy [...], top-1 correct [...] float)."""
+    logits = logits.astype(jnp.float32)
+    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    return ce, (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+
+
+def soft_ce(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
+    """-sum_v p(v) log q(v): logits [..., V], target_probs [..., V] -> [...]."""
+    return -(target_probs * jax.nn.log_softmax(logits.astype(jnp.float32), -1)).sum(-1)
+
+
+def smooth_l1(pred: jax.Array, target: jax.Array) -> jax.Array:
+    """Mean over the last axis of the Huber loss with beta 1 (PyTorch's SmoothL1Loss)."""
+    diff = jnp.abs(pred.astype(jnp.float32) - target.astype(jnp.float32))
+    return jnp.where(diff < 1.0, 0.5 * diff**2, diff - 0.5).mean(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A head's training loss; static to `jax.jit` (graphdefs and configs only, no arrays).
+
+    num_positions: positions per sequence for the full-vocabulary cross entropies.
+    depth: draft depths trained (Medusa: its heads; EAGLE-3: TTT steps; MTP: chained modules).
+    noise: EAGLE-1 uniform feature noise width (U(-noise/2, noise/2)).
+    backbone_weight: MTP only, > 0 trains the target too: main CE + backbone_weight x MTP loss.
+    """
+
+    head_graphdef: nnx.GraphDef
+    head_config: HeadConfig
+    target_graphdef: nnx.GraphDef
+    target_config: ModelConfig
+    depth: int
+    num_positions: int = 32
+    noise: float = 0.2
+    backbone_weight: float = 0.0
+
+    @property
+    def method(self) -> str:
+        from jaxspec.models.heads.configs import method_of
+
+        return method_of(self.head_config)
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.head_config.target_layers if isinstance(self.head_config, Eagle3Config) else ()
+
+    def __call__(
+        self, trainable: dict[str, Any], fixed: dict[str, Any], batch: dict[str, jax.Array], key: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        target_params = trainable.get("backbone", fixed["target"])
+        if "backbone" in trainable:
+            from jaxspec.train.features import target_features
+
+            hidden, _ = target_features(
+                self.target_graphdef, target_params, batch["tokens"], config=self.target_config,
+                stop_gradient=False, cache=fixed.get("empty_cache"),
+            )  # fmt: skip
+            batch = dict(batch, hidden=hidden)
+        head_params = nnx.merge_state(trainable["head"], fixed.get("head_fixed", nnx.State({})))
+
+        def target_lm(x: jax.Array) -> jax.Array:
+            return lm_logits(self.target_graphdef, target_params, x)
+
+        def target_embed(t: jax.Array) -> jax.Array:
+            return embed_tokens(self.target_graphdef, target_params, t)
+
+        config = self.head_config
+        if isinstance(config, MedusaConfig):
+            return self._medusa(head_params, batch, key, target_lm)
+        if isinstance(config, EagleConfig):
+            return self._eagle(head_params, batch, key, target_lm, target_embed)
+        if isinstance(config, Eagle3Config):
+            return self._eagle3(head_params, batch, target_lm, target_embed)
+        if isinstance(config, MtpConfig):
+            return self._mtp(head_params, batch, key, target_lm, target_embed)
+        raise TypeError(f"Objective: unknown head config {config!r}")
+
+    def _medusa(self, params, batch, key, target_lm):
+        hidden, tokens = batch["hidden"], batch["tokens"]
+        n = hidden.shape[1]
+        idx, weight = sample_positions(key, label_mask(batch, 2, n), self.num_positions)
+        logits = medusa_logits(self.head_graphdef, params, take(hidden, idx), target_lm)  # [B, P, K, V]
+        losses, accs = [], []
+        for j in range(self.depth):
+            labels = take(shifted(tokens, 2 + j, n), idx)
+            w = weight * take(label_mask(batch, 2 + j, n), idx)
+            ce, correct = hard_ce(logits[:, :, j], labels)
+            losses.append(masked_mean(ce, w))
+            accs.append(masked_mean(correct, w))
+        depth_loss = jnp.stack(losses)
+        return depth_loss.sum(), {"depth_loss": depth_loss, "depth_acc": jnp.stack(accs)}
+
+    def _eagle(self, params, batch, key, target_lm, target_embed):
+        head = nnx.merge(self.head_graphdef, params)
+        hidden, tokens = batch["hidden"], batch["tokens"]
+        b, n = tokens.shape[0], tokens.shape[1] - 1
+        noise_key, pos_key = jax.random.split(key)
+        features = hidden[:, :n]
+        noise = (jax.random.uniform(noise_key, features.shape, features.dtype) - 0.5) * self.noise
+        layer = self.head_config.layer
+        inputs = empty_cache_inputs(b, layer.num_kv_heads, layer.head_dim, causal_visible(n), features.dtype)
+        positions = batch_positions(batch, n)
+        pred, _, _ = head(head.embed(tokens[:, 1:], target_embed), features + noise, positions, inputs)
+        valid = label_mask(batch, 2, n)
+        value_loss = masked_mean(smooth_l1(pred, hidden[:, 1:]), valid.astype(jnp.float32))
+        idx, weight = sample_positions(pos_key, valid, self.num_positions)
+        target_logits = target_lm(take(hidden[:, 1:], idx))
+        logits = head.logits(take(pred, idx), target_lm)
+        prob_loss = masked_mean(soft_ce(logits, jax.nn.softmax(target_logits, -1)), weight)
+        agree = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
+        acc = masked_mean(agree.astype(jnp.float32), weight)
+        loss = EAGLE_VALUE_WEIGHT * value_loss + EAGLE_PROB_WEIGHT * prob_loss
+        return loss, {"depth_loss": prob_loss[None], "depth_acc": acc[None], "value_loss": value_loss}
+
+    def _eagle3(self, params, batch, target_lm, target_embed):
+        head = nnx.merge(self.head_graphdef, params)
+        tokens = batch["tokens"]
+        b, n = tokens.shape[0], tokens.shape[1] - 1
+        layer = self.head_config.layer
+        draft_ids = head.target_ids()  # [Vd]
+        # Target distribution renormalised over the draft vocabulary, at positions 1..L-1.
+        if self.target_config.tie_word_embeddings:  # only the draft vocabulary's rows of the LM head
+            rows = target_embed(draft_ids).astype(jnp.float32)
+            target_logits = jnp.einsum("bnd,vd->bnv", batch["hidden"][:, 1:].astype(jnp.float32), rows)
+        else:
+            target_logits = jnp.take(target_lm(batch["hidden"][:, 1:]), draft_ids, axis=-1)
+        target_logits = jax.lax.stop_gradient(target_logits)  # [B, n, Vd]
+        target_top1 = draft_ids[jnp.argmax(target_logits, -1)]
+        target_probs = jax.nn.softmax(target_logits, -1)
+        hidden = head.project_target_features(batch["layers"][:, :n])
+        eye = jnp.eye(n, dtype=bool)
+        keys, values, visible = [], [], []
+        losses, accs = [], []
+        for s in range(self.depth):
+            embeddings = head.embed(shifted(tokens, 1 + s, n), target_embed)
+            positions = batch_positions(batch, n) + s
+            if s == 0:
+                inputs = empty_cache_inputs(
+                    b, layer.num_kv_heads, layer.head_dim, causal_visible(n), hidden.dtype
+                )
+            else:
+                empty = jnp.zeros((b, layer.num_kv_heads, 0, layer.head_dim), hidden.dtype)
+                inputs = AttentionInputs(
+                    empty, empty, jnp.zeros((b, 1, 0), bool), eye,
+                    jnp.concatenate(keys, axis=2), jnp.concatenate(values, axis=2),
+                    jnp.broadcast_to(jnp.concatenate(visible, axis=1), (b, n, n * s)),
+                )  # fmt: skip
+            out, k, v = head(embeddings, hidden, positions, inputs)
+            keys.append(k)
+            values.append(v)
+            visible.append(causal_visible(n) if s == 0 else eye)
+            weight = label_mask(batch, 2 + s, n).astype(jnp.float32)
+            logits = head.draft_logits(out)  # [B, n, Vd]
+            losses.append(masked_mean(soft_ce(logits, shifted(target_probs, s, n)), weight))
+            agree = draft_ids[jnp.argmax(logits, -1)] == shifted(target_top1, s, n)
+            accs.append(masked_mean(agree.astype(jnp.float32), weight))
+            hidden = out
+        depth_loss = jnp.stack(losses)
+        decay = EAGLE3_STEP_DECAY ** jnp.arange(self.depth)
+        return (decay * depth_loss).sum(), {"depth_loss": depth_loss, "depth_acc": jnp.stack(accs)}
+
+    def _mtp(self, params, batch, key, target_lm, target_embed):
+        hidden, tokens = batch["hidden"], batch["tokens"]
+        b, n = tokens.shape
+        layer = self.head_config.layer
+        inputs = empty_cache_inputs(b, layer.num_kv_heads, layer.head_dim, causal_visible(n), hidden.dtype)
+        idx, weight = sample_positions(key, label_mask(batch, 2, n), self.num_positions)
+        h = hidden
+        losses, accs = [], []
+        for s in range(self.depth):
+            module = s % self.head_config.num_modules
+            positions = batch_positions(batch, n) + s + 1
+            embeddings = target_embed(shifted(tokens, s + 1, n))
+            h, normed, _, _ = mtp_module_forward(
+                self.head_graphdef, params, module, embeddings, h, positions, inputs
+            )
+            ce, correct = hard_ce(target_lm(take(normed, idx)), take(shifted(tokens, s + 2, n), idx))
+            w = weight * take(label_mask(batch, s + 2, n), idx)
+            losses.append(masked_mean(ce, w))
+            accs.append(masked_mean(correct, w))
+        depth_loss = jnp.stack(losses)
+        metrics = {"depth_loss": depth_loss, "depth_acc": jnp.stack(accs)}
+        if self.backbone_weight <= 0.0:
+            return depth_loss.sum(), metrics
+        main_idx, main_weight = sample_positions(
+            jax.random.fold_in(key, 1), label_mask(batch, 1, n), self.num_positions
+        )
+        main_ce, _ = hard_ce(target_lm(take(hidden, main_idx)), take(shifted(tokens, 1, n), main_idx))
+        main_loss = masked_mean(main_ce, main_weight)
+        return main_loss + self.backbone_weight * depth_loss.sum(), dict(metrics, main_loss=main_loss)

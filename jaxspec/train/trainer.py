@@ -1,0 +1,268 @@
+"""The head trainer: a jitted Optax step, deterministic data order and PRNG stream, Orbax checkpoints.
+
+Determinism: step s reads the batch `batch_indices(seed, s, ...)` (a per-epoch permutation) and uses
+the key fold_in(fold_in(key(seed), s), PURPOSE_STEP); the optimizer state and parameters are restored
+bit for bit from the latest Orbax checkpoint, so `resume=True` after a kill continues exactly where an
+uninterrupted run would be. Metrics are appended to `metrics.jsonl` (lines past the restored step are
+dropped on resume) and drawn to `curves.png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm import tqdm
+
+from jaxspec.train.losses import Objective
+
+PURPOSE_STEP = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping settings (AdamW, linear warmup then cosine decay, global-norm clip)."""
+
+    steps: int = 1000
+    batch_size: int = 8
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    end_learning_rate_ratio: float = 0.05
+    weight_decay: float = 0.01
+    clip_norm: float = 0.5
+    seed: int = 0
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    window: int | None = None  # crop each sequence to a window of this many tokens (offline features)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=max(1, config.warmup_steps),
+        decay_steps=max(config.steps, config.warmup_steps + 1),
+        end_value=config.learning_rate * config.end_learning_rate_ratio,
+    )  # fmt: skip
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(schedule, weight_decay=config.weight_decay),
+    )
+
+
+def batch_indices(seed: int, step: int, batch_size: int, num_sequences: int) -> np.ndarray:
+    """Sequence indices of step `step`: epoch e = a fixed permutation seeded by (seed, e), drop-last."""
+    if num_sequences < batch_size:
+        raise ValueError(f"trainer: {num_sequences} sequences < batch size {batch_size}")
+    per_epoch = num_sequences // batch_size
+    epoch, offset = divmod(step, per_epoch)
+    order = np.random.default_rng((seed, epoch)).permutation(num_sequences)
+    return np.sort(order[offset * batch_size : (offset + 1) * batch_size])
+
+
+def crop_windows(
+    batch: dict[str, np.ndarray], window: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Crop every row to `window` tokens starting at a random offset that keeps response tokens in view:
+    token-axis arrays -> [B, window, ...]; lengths/starts made relative; "offset" [B] added."""
+    lengths, starts = batch["lengths"], batch["starts"]
+    low = np.maximum(0, np.minimum(starts - 2, lengths - window))
+    high = np.maximum(low, lengths - window)
+    offset = (low + rng.integers(0, 1 << 30, size=low.shape) % (high - low + 1)).astype(np.int32)
+    idx = offset[:, None] + np.arange(window)[None, :]
+    out = {"lengths": lengths - offset, "starts": starts - offset, "offset": offset}
+    for name, value in batch.items():
+        if name not in out:
+            idx_nd = idx.reshape(idx.shape + (1,) * (value.ndim - 2))
+            out[name] = np.take_along_axis(value, np.minimum(idx_nd, value.shape[1] - 1), axis=1)
+    return out
+
+
+def step_key(seed: int, step: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), PURPOSE_STEP)
+
+
+def make_train_step(objective: Objective, optimizer: optax.GradientTransformation, online: bool) -> Callable:
+    """jit((trainable, opt_state, fixed, batch, key) -> (trainable, opt_state, metrics)).
+
+    online: the batch holds tokens/lengths/starts only; the target's features are computed in the step.
+    """
+
+    def train_step(trainable, opt_state, fixed, batch, key):
+        if online and "backbone" not in trainable:
+            from jaxspec.train.features import target_features
+
+            hidden, layers = target_features(
+                objective.target_graphdef, fixed["target"], batch["tokens"], config=objective.target_config,
+                capture_layers=objective.capture_layers, cache=fixed.get("empty_cache"),
+            )  # fmt: skip
+            batch = dict(batch, hidden=hidden, **({"layers": layers} if layers is not None else {}))
+        (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trainable, fixed, batch, key)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        return trainable, opt_state, dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+
+    return jax.jit(train_step)
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory; `truncate(step)` drops entries after a restored step."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def truncate(self, step: int) -> None:
+        if self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= step
+            ]
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def append(self, entry: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    def entries(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
+
+
+def _to_host(metrics: dict[str, jax.Array]) -> dict[str, Any]:
+    out = {}
+    for name, value in jax.device_get(metrics).items():
+        value = np.asarray(value)
+        out[name] = value.tolist() if value.ndim else float(value)
+    return out
+
+
+def plot_curves(entries: list[dict], path: Path, title: str = "") -> None:
+    """PNG of total loss and per-depth top-1 accuracy against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not entries:
+        return
+    steps = [e["step"] for e in entries]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(steps, [e["loss"] for e in entries], label="loss")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_yscale("log")
+    ax_loss.legend()
+    depth = len(entries[0]["depth_acc"])
+    for j in range(depth):
+        ax_acc.plot(steps, [e["depth_acc"][j] for e in entries], label=f"depth {j + 1}")
+    ax_acc.set_xlabel("step")
+    ax_acc.set_ylabel("top-1 accuracy")
+    ax_acc.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    trainable: dict[str, Any]
+    step: int
+    metrics: list[dict]
+    seconds: float
+
+
+def train(
+    objective: Objective,
+    trainable: dict[str, Any],
+    fixed: dict[str, Any],
+    source: Any,
+    run_dir: str | Path,
+    config: TrainConfig,
+    *,
+    online: bool = False,
+    resume: bool = False,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Train `trainable` ({"head": nnx.State of Params}, optionally "backbone") for config.steps steps.
+
+    source: `read(indices) -> dict of numpy arrays` and `num_sequences` (a FeatureStore, or an online
+      source of tokens/lengths/starts when `online`).
+    run_dir: checkpoints (Orbax, keep N, async), metrics.jsonl, curves.png.
+    resume: continue from the latest checkpoint in run_dir (else a non-empty run_dir is an error).
+    stop_after: end after this step (tests; a real run uses config.steps).
+    """
+    run_dir = Path(run_dir).absolute()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    optimizer = make_optimizer(config)
+    opt_state = optimizer.init(trainable)
+    manager = ocp.CheckpointManager(
+        run_dir / "checkpoints",
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=config.keep_checkpoints, enable_async_checkpointing=True
+        ),
+    )
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    start = 0
+    latest = manager.latest_step()
+    if latest is not None:
+        if not resume:
+            raise ValueError(f"trainer: {run_dir} already has checkpoints; pass resume=True (--resume)")
+        state = manager.restore(
+            latest, args=ocp.args.StandardRestore({"trainable": trainable, "opt_state": opt_state})
+        )
+        trainable, opt_state, start = state["trainable"], state["opt_state"], latest
+    log.truncate(start)
+    step_fn = make_train_step(objective, optimizer, online)
+    if online:  # the target forward's empty KV cache, as an argument (a constant costs minutes to fold)
+        from jaxspec.cache import KVCache
+
+        max_len = source.read([0], ["tokens"])["tokens"].shape[1]
+        dtype = jax.tree.leaves(fixed["target"])[0].dtype
+        empty = KVCache.zeros(objective.target_config, config.batch_size, max_len, dtype)
+        fixed = dict(fixed, empty_cache=empty)
+    names = ["tokens", "lengths", "starts"] if online else None
+    end = max(start, min(config.steps, stop_after if stop_after is not None else config.steps))
+    began = time.perf_counter()
+    bar = tqdm(total=config.steps, initial=start, desc=f"train {objective.method}", disable=not progress)
+    for step in range(start, end):
+        idx = batch_indices(config.seed, step, config.batch_size, source.num_sequences)
+        batch = source.read(idx, names)
+        if config.window is not None and not online and config.window < batch["tokens"].shape[1]:
+            batch = crop_windows(
+                batch, config.window, np.random.default_rng((config.seed, step, PURPOSE_STEP))
+            )
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        trainable, opt_state, metrics = step_fn(
+            trainable, opt_state, fixed, batch, step_key(config.seed, step)
+        )
+        done = step + 1
+        if done % config.log_every == 0 or done == end:
+            entry = {"step": done, **_to_host(metrics), "time_s": time.perf_counter() - began}
+            log.append(entry)
+            bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in entry["depth_acc"]))
+        if done % config.checkpoint_every == 0 or done == end:
+            manager.save(done, args=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}))
+        bar.update(1)
+    bar.close()
+    manager.wait_until_finished()
+    manager.close()
+    entries = log.entries()
+    plot_curves(entries, run_dir / "curves.png", title=objective.method)
+    return TrainResult(trainable=trainable, step=end, metrics=entries, seconds=time.perf_counter() - began)
+
+
+def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """A head's state -> (trainable Params, fixed rest such as EAGLE-3's vocabulary maps)."""
+    return nnx.split_state(params, nnx.Param, ...)

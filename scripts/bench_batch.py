@@ -1,0 +1,219 @@
+"""Batch throughput: autoregressive vs the batch-aware speculation policy, on the dev prompts.
+
+    python scripts/bench_batch.py --prompts ../shared/prompts_dev.jsonl --max-new-tokens 128
+    python scripts/bench_batch.py --prompts ../shared/prompts_dev.jsonl --max-new-tokens 128 --calibrate
+
+For each batch size the dev prompts (chat template applied, repeated to fill the batch) give a few
+batches (`--batches`, one count per batch size), their starts spread over the file so that batch 1
+and 4 see every kind of prompt. Each batch is generated greedily, autoregressive and with the
+policy's choice (`jaxspec.spec.policy`, n-gram drafting: training-free). Every compiled shape is
+warmed up first (compilation excluded); then the configurations run back to back on each batch, so a
+drifting machine load hits them alike. tokens/s is the median over the batches, the speedup the
+median of the per-batch ratios. Greedy speculation is lossless, so both columns generate the same
+tokens (checked: the "same" column). A policy that turns speculation off at a batch size runs exactly
+the autoregressive program: its column repeats the autoregressive number.
+
+--calibrate also times n-gram drafting at each of --depths (and --topks) per batch size and prints the
+fastest shape per batch size as a policy table (off where nothing beats autoregressive by --margin):
+the measurements behind `jaxspec.spec.policy.DEFAULT_POLICY`. Prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+
+import jaxspec
+from jaxspec.buckets import length_bucket
+from jaxspec.config import SpecConfig
+from jaxspec.spec.policy import PolicyRule, SpeculationPolicy, choose_spec, describe_spec, load_policy
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One configuration over all batches of one batch size."""
+
+    label: str
+    tokens_per_s: list[float]  # per batch
+    token_ids: list[list[int]]  # every row of every batch, for the equality check
+    decode_tokens: int = 0
+    rounds: int = 0
+
+    @property
+    def median_tokens_per_s(self) -> float:
+        return statistics.median(self.tokens_per_s)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target forward after prefill, over all rows (token-weighted)."""
+        return self.decode_tokens / self.rounds if self.rounds else 0.0
+
+    def speedup_over(self, base: Measurement) -> float:
+        """Median over batches of the paired ratio (both timed back to back on the same batch)."""
+        return statistics.median(a / b for a, b in zip(self.tokens_per_s, base.tokens_per_s, strict=True))
+
+
+def load_prompts(path: str, model: jaxspec.Model, chat: bool) -> list[list[int]]:
+    with open(path, encoding="utf-8") as f:
+        texts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    if chat:
+        return [model.chat_prompt([{"role": "user", "content": t}]) for t in texts]
+    return [model.tokenizer.encode(t) for t in texts]
+
+
+def make_batches(prompts: list[list[int]], batch_size: int, count: int) -> list[list[list[int]]]:
+    """`count` batches of `batch_size` consecutive prompts (cycling through the list), their starts
+    spread evenly over the list so small batches sample every kind of prompt in the file."""
+    stride = max(len(prompts) // count, batch_size) if count > 1 else 0
+    return [[prompts[(b * stride + i) % len(prompts)] for i in range(batch_size)] for b in range(count)]
+
+
+def warmup_budget(max_new_tokens: int) -> int:
+    """The smallest budget with the same new-token bucket (same compiled program, shorter run)."""
+    bucket = length_bucket(max_new_tokens)
+    return 1 if bucket <= 16 else bucket // 2 + 1
+
+
+def measure(
+    model: jaxspec.Model, batches: list[list[list[int]]], max_new_tokens: int, specs: list[SpecConfig | None]
+) -> list[Measurement]:
+    """Time every spec (None = autoregressive) on every batch. All programs are compiled first; then
+    the specs run back to back on each batch, so a drifting machine load hits them alike."""
+    for spec in specs:
+        warmed = set()
+        for batch in batches:
+            bucket = length_bucket(max(len(p) for p in batch))
+            if bucket not in warmed:
+                jaxspec.generate(model, batch, max_new_tokens=warmup_budget(max_new_tokens), spec=spec)
+                warmed.add(bucket)
+    results = [Measurement(describe_spec(spec), [], []) for spec in specs]
+    for batch in batches:
+        for spec, result in zip(specs, results, strict=True):
+            start = time.perf_counter()
+            completions = jaxspec.generate(model, batch, max_new_tokens=max_new_tokens, spec=spec)
+            seconds = time.perf_counter() - start
+            result.tokens_per_s.append(sum(len(c.token_ids) for c in completions) / seconds)
+            result.token_ids += [c.token_ids for c in completions]
+            result.decode_tokens += sum(max(len(c.token_ids) - 1, 0) for c in completions)
+            result.rounds += sum(c.stats["rounds"] for c in completions)
+    return results
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def compare(args, model, prompts) -> list[dict]:
+    policy = load_policy(args.policy_json)
+    rows, results = [], []
+    for batch_size in args.batch_sizes:
+        batches = make_batches(prompts, batch_size, args.batches[batch_size])
+        spec = choose_spec("auto", SpecConfig(method="ngram"), batch_size, policy)
+        measured = measure(model, batches, args.max_new_tokens, [None] if spec is None else [None, spec])
+        base, chosen = measured[0], measured[-1]
+        speedup = chosen.speedup_over(base)
+        same = "yes" if chosen.token_ids == base.token_ids else "NO"
+        rows.append(
+            [str(batch_size), chosen.label, f"{base.median_tokens_per_s:.1f}",
+             f"{chosen.median_tokens_per_s:.1f}", f"{speedup:.2f}x", f"{chosen.mean_accepted_length:.2f}",
+             same]
+        )  # fmt: skip
+        results.append(
+            {"batch_size": batch_size, "policy": chosen.label,
+             "autoregressive_tokens_per_s": base.tokens_per_s, "policy_tokens_per_s": chosen.tokens_per_s,
+             "speedup": speedup, "mean_accepted_length": chosen.mean_accepted_length,
+             "same_tokens": same == "yes"}
+        )  # fmt: skip
+        print(f"batch {batch_size}: {rows[-1]}", flush=True)
+    header = ["batch", "policy", "autoregressive tok/s", "policy tok/s", "speedup", "mean accepted", "same"]
+    print(markdown(header, rows))
+    return results
+
+
+def calibrate(args, model, prompts) -> list[dict]:
+    rows, results, rules = [], [], []
+    shapes = [(d, k) for k in args.topks for d in args.depths]
+    for batch_size in args.batch_sizes:
+        batches = make_batches(prompts, batch_size, args.batches[batch_size])
+        specs = [SpecConfig(method="ngram", num_speculative_tokens=d, topk=k) for d, k in shapes]
+        base, *measured = measure(model, batches, args.max_new_tokens, [None, *specs])
+        row = [str(batch_size), f"{base.median_tokens_per_s:.1f}"]
+        best = (1.0 + args.margin, None)
+        for (depth, topk), m in zip(shapes, measured, strict=True):
+            speedup = m.speedup_over(base)
+            row.append(f"{speedup:.2f}x ({m.mean_accepted_length:.2f})")
+            results.append(
+                {"batch_size": batch_size, "depth": depth, "topk": topk, "speedup": speedup,
+                 "tokens_per_s": m.tokens_per_s, "autoregressive_tokens_per_s": base.tokens_per_s,
+                 "mean_accepted_length": m.mean_accepted_length, "same_tokens": m.token_ids == base.token_ids}
+            )  # fmt: skip
+            if speedup > best[0]:
+                best = (speedup, (depth, topk))
+        depth, topk = best[1] or (0, 1)
+        rules.append(PolicyRule(max_batch=batch_size, num_speculative_tokens=depth, topk=topk))
+        rows.append(row + [f"k={depth} topk={topk}" if depth else "off"])
+        print(f"batch {batch_size}: {rows[-1]}", flush=True)
+    header = ["batch", "autoregressive tok/s"] + [f"k={d} topk={k}" for d, k in shapes] + ["best"]
+    print("speedup over autoregressive (mean accepted length):")
+    print(markdown(header, rows))
+    last_on = max((i for i, r in enumerate(rules) if r.num_speculative_tokens > 0), default=-1)
+    print("suggested policy (--policy-json):")
+    print(json.dumps(SpeculationPolicy(tuple(rules[: last_on + 1])).to_dict()))
+    return results
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", required=True, help="JSONL with a 'prompt' field per line")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 64])
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--batches", type=int_list, default=[4, 2, 1, 1],
+        help="timed batches per batch size (median over them): one count, or one per --batch-sizes entry",
+    )  # fmt: skip
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--policy-json", default=None, help="policy table to compare (default: the built-in one)")
+    p.add_argument("--calibrate", action="store_true", help="sweep draft shapes, print a policy table")
+    p.add_argument("--depths", type=int_list, default=[1, 2, 3, 4])
+    p.add_argument("--topks", type=int_list, default=[1])
+    p.add_argument("--margin", type=float, default=0.05, help="calibrate: required speedup over 1.0")
+    p.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args()
+    if len(args.batches) == 1:
+        args.batches = args.batches * len(args.batch_sizes)
+    if len(args.batches) != len(args.batch_sizes):
+        p.error("--batches: give one count, or one per --batch-sizes entry")
+    args.batches = dict(zip(args.batch_sizes, args.batches, strict=True))
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    model = jaxspec.load(args.model)
+    prompts = load_prompts(args.prompts, model, chat=not args.no_chat)
+    load_before = os.getloadavg()[0]
+    print(
+        f"{jax.default_backend()} x{jax.device_count()}, {os.cpu_count()} cpus, model {args.model} "
+        f"({model.dtype}), {len(prompts)} prompts, greedy, max_new_tokens {args.max_new_tokens}, "
+        f"batches per size {args.batches}, load average {load_before:.1f}",
+        flush=True,
+    )
+    results = calibrate(args, model, prompts) if args.calibrate else compare(args, model, prompts)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""Batch offline generation job: input validation, resumable output, per-request sampling, policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jaxspec.batch.requests import RequestDefaults, TokenizedRequest, parse_request, read_requests
+from jaxspec.batch.results import open_results
+from jaxspec.batch.schedule import plan_batches
+from jaxspec.batch_job import main
+from jaxspec.config import SpecConfig
+from jaxspec.errors import InputError, JaxspecError
+from jaxspec.spec.policy import DEFAULT_POLICY, SpeculationPolicy, choose_spec, load_policy
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from tests.tiny_models import save_tiny
+
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny("llama", directory)
+    return directory
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input: every case stops with `file:line: what is wrong`, exit code 2, nothing generated
+# ---------------------------------------------------------------------------------------------------
+
+BAD_LINES = [
+    ('{"id": "ok", "prompt_ids": [1, 2]}', None),
+    ('{"id": "x", "prompt_ids": [1, 2]', "malformed JSON: Expecting ',' delimiter (column 33)"),
+    ('{"prompt_ids": [1]}', "missing 'id'"),
+    ('{"id": "ok", "prompt_ids": [3]}', 'duplicate id "ok" (first on line 1)'),
+    ('{"id": "n"}', "needs one of 'prompt', 'messages' or 'prompt_ids'"),
+    (
+        '{"id": "b", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}',
+        "give only one of 'prompt', 'messages', 'prompt_ids' (got prompt, messages)",
+    ),
+    ('{"id": "t", "prompt_ids": [1], "temperature": -0.5}', "'temperature' must be a number >= 0, got -0.5"),
+    ('{"id": "p", "prompt_ids": [1], "top_p": 0}', "'top_p' must be a number in (0, 1], got 0"),
+    ('{"id": "m", "prompt_ids": [1], "max_new_tokens": 0}', "'max_new_tokens' must be >= 1, got 0"),
+    ('{"id": "k", "prompt_ids": [1], "top_k": "5"}', "'top_k' must be an integer, got \"5\""),
+    ('{"id": "s", "prompt_ids": [1], "seed": 1.5}', "'seed' must be an integer, got 1.5"),
+    ("[1, 2]", "a request must be a JSON object, got list"),
+    (
+        '{"id": "u", "prompt_ids": [1], "temprature": 1}',
+        "unknown field 'temprature' (known: id, prompt, messages, prompt_ids, max_new_tokens, "
+        "temperature, top_k, top_p, seed, metadata)",
+    ),
+    ('{"id": true, "prompt_ids": [1]}', "'id' must be a string or an integer, got true"),
+    (
+        '{"id": "mm", "messages": [{"role": "user"}]}',
+        '\'messages\'[0] must be {"role": string, "content": string}',
+    ),
+]
+
+
+def test_each_bad_line_stops_the_job_with_file_line_message(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [text for text, _ in BAD_LINES])
+    out = tmp_path / "out.jsonl"
+    # The model path does not exist: line checks run (and stop the job) before any model is loaded.
+    code = main(["--input", str(src), "--output", str(out), "--model", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert code == 2
+    expected = [f"{src}:{n}: {message}" for n, (_, message) in enumerate(BAD_LINES, 1) if message]
+    assert err.splitlines() == expected
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_model_dependent_checks_name_file_and_line(tmp_path, tiny_dir, capsys):
+    src = write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"id": 1, "prompt_ids": [1, 2, 3]},
+            {"id": 2, "prompt_ids": [1] * 500, "max_new_tokens": 20},
+            {"id": 3, "prompt": "hello"},
+            {"id": 4, "prompt_ids": [5, 320]},
+        ],
+    )
+    out = tmp_path / "out.jsonl"
+    code = main(["--input", str(src), "--output", str(out), "--model", str(tiny_dir), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines() == [
+        f"{src}:2: prompt of 500 tokens + max_new_tokens 20 = 520 exceeds the model's context of 512",
+        f"{src}:3: 'prompt' needs a tokenizer but the model has none: give 'prompt_ids' instead",
+        f"{src}:4: 'prompt_ids' has token id 320, outside the vocabulary [0, 320)",
+    ]
+    assert not out.exists()
+
+
+def test_bad_flags_are_errors_without_traceback(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt_ids": [1]}])
+    base = ["--input", str(src), "--output", str(tmp_path / "o.jsonl")]
+    assert main([*base, "--temperature", "-1"]) == 2
+    assert "command-line default: 'temperature' must be a number >= 0, got -1.0" in capsys.readouterr().err
+    assert main([*base, "--policy", "fixed"]) == 2
+    assert "--policy fixed needs --spec" in capsys.readouterr().err
+    assert main([*base, "--spec", "nope"]) == 2
+    assert "--spec: SpecConfig.method must be one of" in capsys.readouterr().err
+    assert main([*base, "--policy-json", '{"rules": [{"max_batch": 0, "num_speculative_tokens": 2}]}']) == 2
+    assert "need max_batch >= 1" in capsys.readouterr().err
+    assert main(["--input", str(src), "--output", str(src)]) == 2
+    assert "--output must not be the --input file" in capsys.readouterr().err
+
+
+def test_cli_routes_generate_input_to_the_job(tmp_path, capsys):
+    from jaxspec.cli import main as cli_main
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt_ids": [1], "top_k": -1}])
+    assert cli_main(["generate", "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert capsys.readouterr().err == f"{src}:1: 'top_k' must be >= 0, got -1\n"
+
+
+def test_defaults_fill_missing_parameters():
+    defaults = RequestDefaults(max_new_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=11)
+    request = parse_request('{"id": 5, "prompt": "x", "top_p": 0.5, "seed": 2}', 1, defaults)
+    assert (request.max_new_tokens, request.seed) == (7, 2)
+    assert (request.sampling.temperature, request.sampling.top_k, request.sampling.top_p) == (0.5, 3, 0.5)
+    assert request.key == "5"
+
+
+def test_int_and_string_ids_collide(tmp_path):
+    src = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": 1, "prompt_ids": [1]}, "", {"id": "1", "prompt_ids": [2]}]
+    )
+    requests, issues = read_requests(src, RequestDefaults())
+    assert [r.id for r in requests] == [1]
+    assert [str(i) for i in issues] == [f'{src}:3: duplicate id "1" (first on line 1)']
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output repair, batch planning, policy (no model)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_open_results_cuts_a_partial_last_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "a", "text": ""}\n{"id": 2, "text": ""}\n{"id": "c", "te')
+    writer, done, removed = open_results(out)
+    with writer:
+        writer.append([{"id": "c", "text": "again"}])
+    assert done == {"a", "2"} and removed == len(b'{"id": "c", "te')
+    assert [r["id"] for r in read_jsonl(out)] == ["a", 2, "c"]
+
+
+def test_open_results_refuses_a_corrupt_middle_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(JaxspecError, match=rf"{out}:2: not a result line"):
+        open_results(out)
+
+
+def test_plan_batches_groups_by_length_bucket_in_input_order():
+    def item(line: int, prompt_len: int, max_new: int = 8) -> TokenizedRequest:
+        request = parse_request(
+            json.dumps({"id": line, "prompt_ids": [1], "max_new_tokens": max_new}), line, RequestDefaults()
+        )
+        return TokenizedRequest(request, tuple(range(prompt_len)))
+
+    items = [item(1, 40), item(2, 5), item(3, 41), item(4, 6), item(5, 7, max_new=100)]
+    batches = plan_batches(items, batch_size=2)
+    assert [[i.request.line for i in b] for b in batches] == [[2, 4], [5, 1], [3]]
+
+
+def test_policy_picks_shape_by_batch_size_and_turns_off():
+    policy = SpeculationPolicy.from_dict(
+        {
+            "rules": [
+                {"max_batch": 4, "num_speculative_tokens": 2},
+                {"max_batch": 1, "num_speculative_tokens": 5, "topk": 2},
+            ]
+        }
+    )
+    base = SpecConfig(method="ngram", ngram_max=3)
+    one = choose_spec("auto", base, 1, policy)
+    assert (one.num_speculative_tokens, one.topk, one.ngram_max) == (5, 2, 3)
+    assert choose_spec("auto", base, 3, policy).num_speculative_tokens == 2
+    assert choose_spec("auto", base, 5, policy) is None
+    assert choose_spec("auto", None, 1, policy).method == "ngram"
+    assert choose_spec("fixed", base, 64, policy) is base
+    assert choose_spec("off", base, 1, policy) is None
+    assert load_policy(None) is DEFAULT_POLICY
+    assert load_policy(json.dumps(policy.to_dict())) == policy
+    with pytest.raises(InputError):
+        SpeculationPolicy.from_dict({"rules": [{"max_batch": 2, "depth": 3}]})
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation: per-request parameters, batch independence, --skip-invalid
+# ---------------------------------------------------------------------------------------------------
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 10, 11, 12, 10, 11], [20, 21, 22, 23]]
+
+
+@pytest.mark.slow
+def test_per_request_parameters_and_batch_independence(tmp_path, tiny_dir):
+    import jaxspec
+
+    requests = [
+        {"id": "greedy0", "prompt_ids": PROMPTS[0], "temperature": 0},
+        {"id": "greedy1", "prompt_ids": PROMPTS[1], "temperature": 0, "max_new_tokens": 5},
+        {"id": "hot", "prompt_ids": PROMPTS[0], "seed": 7},
+        {"id": "top1", "prompt_ids": PROMPTS[0], "top_k": 1, "seed": 8},
+        {"id": "bad", "prompt_ids": PROMPTS[2], "top_p": 1.5},
+        {"id": "hot2", "prompt_ids": PROMPTS[2], "seed": 7, "metadata": {"k": [1]}},
+        {"id": "nucleus", "prompt_ids": PROMPTS[3], "top_p": 1e-6},
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", requests)
+    common = [
+        "--input", str(src), "--model", str(tiny_dir), "--max-new-tokens", "12", "--temperature", "5.0",
+        "--spec", "ngram", "--num-speculative-tokens", "2", "--policy", "fixed", "--skip-invalid",
+        "--no-progress",
+    ]  # fmt: skip
+    assert main([*common, "--output", str(tmp_path / "b4.jsonl"), "--batch-size", "4"]) == 0
+    assert main([*common, "--output", str(tmp_path / "b1.jsonl"), "--batch-size", "1"]) == 0
+    in_batch = {r["id"]: r for r in read_jsonl(tmp_path / "b4.jsonl")}
+    alone = {r["id"]: r for r in read_jsonl(tmp_path / "b1.jsonl")}
+
+    assert read_jsonl(tmp_path / "b4.jsonl.errors.jsonl") == [
+        {"file": str(src), "line": 5, "id": "bad", "error": "'top_p' must be a number in (0, 1], got 1.5"}
+    ]
+    assert sorted(in_batch) == sorted(r["id"] for r in requests if r["id"] != "bad")
+    # Same request, same tokens, alone or in a batch of 4 (greedy and sampled alike).
+    assert {k: r["token_ids"] for k, r in in_batch.items()} == {k: r["token_ids"] for k, r in alone.items()}
+    assert in_batch["hot2"]["metadata"] == {"k": [1]}
+    assert {r["stats"]["batch_size"] for r in alone.values()} == {1}
+
+    model = jaxspec.load(str(tiny_dir))
+    greedy = jaxspec.generate(model, [PROMPTS[0], PROMPTS[1], PROMPTS[3]], max_new_tokens=[12, 5, 12])
+    assert in_batch["greedy0"]["token_ids"] == greedy[0].token_ids
+    assert in_batch["greedy1"]["token_ids"] == greedy[1].token_ids  # its own max_new_tokens = 5
+    assert len(in_batch["greedy1"]["token_ids"]) == 5 and in_batch["greedy1"]["finish_reason"] == "length"
+    assert in_batch["top1"]["token_ids"] == greedy[0].token_ids  # top_k = 1 at temperature 5 is greedy
+    assert in_batch["nucleus"]["token_ids"] == greedy[2].token_ids  # so is a tiny nucleus
+    assert in_batch["hot"]["token_ids"] != greedy[0].token_ids  # temperature 5 samples
+    assert all(len(r["token_ids"]) == 12 for k, r in in_batch.items() if k != "greedy1")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Resume after SIGKILL (subprocesses)
+# ---------------------------------------------------------------------------------------------------
+
+# Runs the job with one hook: after the `at`-th batch is written ("after"), halfway through writing it
+# ("torn": the first record and half of the second reach the disk), or with the batch computed but not
+# yet written ("inflight"), it prints PAUSED and sleeps until the test kills it with SIGKILL.
+DRIVER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import jaxspec.batch_job as job
+    from jaxspec.batch.results import ResultWriter
+
+    mode, at = os.environ["KILL_MODE"], int(os.environ.get("KILL_AT", "0"))
+    calls = {"write": 0, "generate": 0}
+
+    def pause():
+        print("PAUSED", flush=True)
+        time.sleep(600)
+
+    original_append = ResultWriter.append
+
+    def append(self, records):
+        calls["write"] += 1
+        if mode == "torn" and calls["write"] == at:
+            lines = [json.dumps(r).encode() + b"\\n" for r in records]
+            self._file.write(lines[0] + lines[1][: len(lines[1]) // 2])
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            pause()
+        original_append(self, records)
+        if mode == "after" and calls["write"] == at:
+            pause()
+
+    original_generate = job._generate_batch
+
+    def generate(*args):
+        calls["generate"] += 1
+        result = original_generate(*args)
+        if mode == "inflight" and calls["generate"] == at:
+            pause()
+        return result
+
+    ResultWriter.append = append
+    job._generate_batch = generate
+    sys.exit(job.main(sys.argv[1:]))
+    """
+)
+
+
+def run_driver(tmp_path: Path, args: list[str], mode: str, at: int = 0) -> None:
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = dict(os.environ, KILL_MODE=mode, KILL_AT=str(at), JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
+    proc = subprocess.Popen(
+        [sys.executable, str(driver), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    if mode == "none":
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        return
+    for line in proc.stdout:
+        if line.strip() == "PAUSED":
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+    proc.stderr.close()
+    proc.stdout.close()
+
+
+def complete_ids(path: Path) -> list:
+    data = path.read_bytes()
+    return [json.loads(line)["id"] for line in data[: data.rfind(b"\n") + 1].splitlines()]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_at_several_points(tmp_path, tiny_dir):
+    requests = [
+        {"id": f"r{i}", "prompt_ids": [1 + i, 2 + i, 3 + i], "max_new_tokens": 6 + i} for i in range(8)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", requests)
+    common = [
+        "--input",
+        str(src),
+        "--model",
+        str(tiny_dir),
+        "--batch-size",
+        "2",
+        "--policy",
+        "off",
+        "--no-progress",
+    ]
+    reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
+    run_driver(tmp_path, [*common, "--output", str(reference)], "none")
+
+    args = [*common, "--output", str(out)]
+    run_driver(tmp_path, args, "after", at=1)  # killed right after the first batch was written
+    assert complete_ids(out) == ["r0", "r1"] and out.read_bytes().endswith(b"\n")
+    run_driver(tmp_path, args, "torn", at=1)  # killed while writing: one line and a half on disk
+    assert complete_ids(out) == ["r0", "r1", "r2"] and not out.read_bytes().endswith(b"\n")
+    run_driver(tmp_path, args, "inflight", at=2)  # killed with its second batch computed, unwritten
+    assert complete_ids(out) == ["r0", "r1", "r2", "r3", "r4"]
+    run_driver(tmp_path, args, "none")  # finishes the job
+
+    final = read_jsonl(out)
+    ids = [r["id"] for r in final]
+    assert len(ids) == len(set(ids)) == len(requests)
+    by_id = {r["id"]: (r["token_ids"], r["finish_reason"]) for r in final}
+    assert by_id == {r["id"]: (r["token_ids"], r["finish_reason"]) for r in read_jsonl(reference)}
+    assert all(len(by_id[r["id"]][0]) == r["max_new_tokens"] for r in requests)
+    run_driver(tmp_path, args, "none")  # a rerun of a finished job writes nothing
+    assert read_jsonl(out) == final

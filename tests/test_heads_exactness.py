@@ -1,0 +1,192 @@
+"""Exact verification stays lossless with each head's REAL draft distributions (invariant 1).
+
+A tiny target over a 16-token vocabulary, random heads, temperature 1.0 with top-p 0.9 on both sides.
+Every sample is one request (its own keys) that drafts with the head from the same context, is
+verified against the real target forward over the tree, and emits its first two tokens (the second
+from the target itself when the round stopped after one). The joint of those two tokens must match
+the target's p(x1) p(x2 | x1) within the Bernstein bound of tests/test_sampling_exactness.py, and no
+token outside the nucleus may ever appear.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.forward import lm_logits, model_forward
+from jaxspec.models.heads.registry import make_head_drafter
+from jaxspec.prefill import Requests, prefill
+from jaxspec.spec import sampling
+from jaxspec.spec.round_context import RoundContext
+from jaxspec.spec.tree import DraftTree, ancestor_mask, tree_positions
+from tests.test_sampling_exactness import NUM_SAMPLES, bernstein_excess
+from tests.tiny_models import save_tiny
+
+VOCAB = 16
+PROMPT = [3, 9, 4, 11, 2, 7]
+CHUNK = 20_000
+MAX_LEN = 16
+PARAMS = SamplingParams(temperature=1.0, top_p=0.9)
+SPECS = {
+    "medusa": SpecConfig(method="medusa", num_speculative_tokens=2, extra=(("medusa_own_lm_head", True),)),
+    "eagle": SpecConfig(method="eagle", num_speculative_tokens=2),
+    "eagle3": SpecConfig(method="eagle3", num_speculative_tokens=2, extra=(("draft_vocab_size", 12),)),
+    "mtp": SpecConfig(method="mtp", num_speculative_tokens=2, extra=(("mtp_num_modules", 2),)),
+    "eagle-tree": SpecConfig(method="eagle", num_speculative_tokens=2, topk=2, num_draft_tokens=4),
+}
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_vocab16")
+    save_tiny(
+        "llama",
+        path,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return jaxspec.load(str(path))
+
+
+def tile(tree, rows):
+    return jax.tree.map(lambda x: jnp.repeat(x, rows, axis=0), tree)
+
+
+def requests_for(rows: int, first_request: jax.Array) -> Requests:
+    tokens = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (rows, len(PROMPT)))
+    return Requests(
+        prompt_tokens=tokens,
+        prompt_lengths=jnp.full((rows,), len(PROMPT), jnp.int32),
+        max_new_tokens=jnp.full((rows,), 8, jnp.int32),
+        seeds=jnp.zeros((rows,), jnp.int32),
+        request_ids=first_request + jnp.arange(rows, dtype=jnp.int32),
+        sampling=sampling.SamplingArrays.from_params(PARAMS, rows),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "drafter"))
+def two_tokens(graphdef, params, draft_params, first_request, *, config, drafter):
+    """[CHUNK, 2] first two emitted tokens after the (fixed) first token, one request per row."""
+    requests = requests_for(CHUNK, first_request)
+    pre = prefill(
+        graphdef,
+        params,
+        config,
+        requests_for(1, 0),
+        MAX_LEN,
+        attention="reference",
+        capture_layers=drafter.capture_layers,
+    )
+    pre = tile(pre, CHUNK)
+    state = drafter.init(draft_params, params, pre, requests, MAX_LEN)
+    history = jnp.concatenate([requests.prompt_tokens, pre.first_token[:, None]], axis=1)
+    ctx = RoundContext(
+        history=history,
+        history_len=jnp.full((CHUNK,), len(PROMPT) + 1, jnp.int32),
+        cache_lengths=pre.cache.lengths,
+        keys=sampling.derive_key(requests.seeds, requests.request_ids, 1, sampling.PURPOSE_DRAFT),
+        sampling=requests.sampling,
+    )
+    tree, _ = drafter.propose(draft_params, params, state, ctx)
+    hidden, _, _ = model_forward(
+        graphdef,
+        params,
+        tree.tokens,
+        tree_positions(tree, pre.cache.lengths),
+        pre.cache,
+        ancestor_mask(tree),
+        attention="reference",
+    )
+    target_probs = sampling.process_logits(lm_logits(graphdef, params, hidden), requests.sampling)
+    keys = sampling.round_key(requests.seeds, requests.request_ids, 1)
+    result = sampling.verify_tree(tree, target_probs, keys, mode="exact", max_depth=drafter.max_depth)
+    x1 = result.emitted_tokens[:, 0]
+    # the second token: from the round when it accepted the first draft, else from the target itself
+    p2 = target_after(graphdef, params, pre.cache, history[:, -1], x1, requests.sampling)
+    own = sampling.sample_from_probs(p2, sampling.fold_in_rows(keys, 99))
+    x2 = jnp.where(result.num_accepted >= 1, result.emitted_tokens[:, 1], own)
+    return jnp.stack([x1, x2], axis=1)
+
+
+def target_after(graphdef, params, cache, root, x1, processor):
+    """Processed target distribution after (context, x1): [B, V]."""
+    tree = DraftTree(
+        tokens=jnp.stack([root, x1], axis=1),
+        parent=jnp.broadcast_to(jnp.asarray([-1, 0], jnp.int32), (root.shape[0], 2)),
+        depth=jnp.broadcast_to(jnp.asarray([0, 1], jnp.int32), (root.shape[0], 2)),
+        valid=jnp.ones((root.shape[0], 2), bool),
+    )
+    hidden, _, _ = model_forward(
+        graphdef,
+        params,
+        tree.tokens,
+        tree_positions(tree, cache.lengths),
+        cache,
+        ancestor_mask(tree),
+        attention="reference",
+    )
+    return sampling.process_logits(lm_logits(graphdef, params, hidden[:, 1]), processor)
+
+
+def target_joint(model) -> np.ndarray:
+    """p(x1) p(x2 | x1) after the fixed context, [V, V] float64."""
+    requests = requests_for(1, jnp.int32(0))
+    pre = prefill(model.graphdef, model.params, model.config, requests, MAX_LEN, attention="reference")
+    processor = sampling.SamplingArrays.from_params(PARAMS, VOCAB)
+    cache = tile(pre.cache, VOCAB)
+    roots = jnp.full((VOCAB,), pre.first_token[0])
+    p2 = np.asarray(
+        target_after(model.graphdef, model.params, cache, roots, jnp.arange(VOCAB), processor), np.float64
+    )
+    root_tree_hidden, _, _ = model_forward(
+        model.graphdef,
+        model.params,
+        pre.first_token[:, None],
+        pre.cache.lengths[:, None],
+        pre.cache,
+        jnp.ones((1, 1, 1), bool),
+        attention="reference",
+    )
+    p1 = sampling.process_logits(
+        lm_logits(model.graphdef, model.params, root_tree_hidden[:, 0]),
+        sampling.SamplingArrays.from_params(PARAMS, 1),
+    )
+    return np.asarray(p1[0], np.float64)[:, None] * p2
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "eagle" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(SPECS)]
+)
+def test_head_drafts_keep_the_target_distribution(small_vocab, name):
+    model = small_vocab
+    drafter, draft_params = make_head_drafter(model, SPECS[name])
+    samples = np.concatenate(
+        [
+            np.asarray(
+                two_tokens(
+                    model.graphdef,
+                    model.params,
+                    draft_params,
+                    jnp.int32(i * CHUNK),
+                    config=model.config,
+                    drafter=drafter,
+                )
+            )
+            for i in range(NUM_SAMPLES // CHUNK)
+        ]
+    )
+    joint = target_joint(model)
+    assert np.count_nonzero(joint) < joint.size  # top-p removed tokens: zero cells are tested too
+    excess, in_zero_cells = bernstein_excess(samples, joint)
+    first_excess, first_zero = bernstein_excess(samples[:, :1], joint.sum(axis=1))
+    assert in_zero_cells == 0 and first_zero == 0
+    assert max(excess, first_excess) <= 1.0, f"{name}: deviation {max(excess, first_excess):.2f}x the bound"

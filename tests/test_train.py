@@ -1,0 +1,294 @@
+"""Head training on a tiny model: data files survive kills, heads learn, training resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.train.distill import append_jsonl_rows, read_jsonl_rows
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 320
+LEARNING_RATE = 2e-2
+
+
+def self_distilled_rows(model, n: int, length: int = 24, prompt_len: int = 4, seed: int = 0) -> list[dict]:
+    """The tiny target's own greedy continuations of random prompts (labels = the target's argmax)."""
+    import jax.numpy as jnp
+
+    from jaxspec.forward import lm_logits
+    from jaxspec.train.features import target_features
+
+    @jax.jit
+    def next_tokens(tokens, last):
+        hidden, _ = target_features(model.graphdef, model.params, tokens, config=model.config)
+        logits = lm_logits(model.graphdef, model.params, hidden[:, last])
+        return jnp.argmax(logits, -1).astype(jnp.int32)
+
+    tokens = np.zeros((n, length), np.int32)
+    tokens[:, :prompt_len] = np.random.default_rng(seed).integers(1, VOCAB, (n, prompt_len))
+    for pos in range(prompt_len, length):  # causal: the padding after `pos` cannot change its logits
+        tokens[:, pos] = np.asarray(next_tokens(jnp.asarray(tokens), pos - 1))
+    return [
+        {"id": f"g{i}", "prompt_ids": t[:prompt_len].tolist(), "response_ids": t[prompt_len:].tolist()}
+        for i, t in enumerate(tokens)
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import save_tiny
+
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    save_tiny("llama", directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    import jaxspec
+
+    return jaxspec.load(str(tiny))
+
+
+@pytest.fixture(scope="module")
+def rows(tiny_model):
+    return self_distilled_rows(tiny_model, 32)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model, rows, tmp_path_factory):
+    from jaxspec.train.features import write_features
+
+    path = tmp_path_factory.mktemp("features")
+    return write_features(tiny_model, rows, path, max_len=32, capture_layers=(0, 1, 1),
+                          batch_size=8, progress=False)  # fmt: skip
+
+
+def test_jsonl_torn_last_line_is_cut_and_rows_kept(tmp_path):
+    path = tmp_path / "out.jsonl"
+    append_jsonl_rows(path, [{"id": "a"}, {"id": "b"}])
+    with open(path, "ab") as f:
+        f.write(b'{"id": "c", "respo')  # killed mid-write
+    assert [r["id"] for r in read_jsonl_rows(path)] == ["a", "b"]
+    assert path.read_bytes().endswith(b'"b"}\n')
+    append_jsonl_rows(path, [{"id": "c"}])
+    assert [r["id"] for r in read_jsonl_rows(path)] == ["a", "b", "c"]
+    path.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match="out.jsonl:2"):
+        read_jsonl_rows(path)
+
+
+def test_feature_store_resumes_and_ignores_uncommitted_rows(tiny_model, rows, store, tmp_path):
+    from jaxspec.train.features import FeatureStore, write_features
+
+    part = write_features(tiny_model, rows[:8], tmp_path / "fs", max_len=32, capture_layers=(0, 1, 1),
+                          batch_size=8, progress=False)  # fmt: skip
+    # A batch in flight when the writer died: data written past num_committed but never committed.
+    garbage = {k: np.ones((8,) + tuple(a.shape[1:]), a.dtype.numpy_dtype) for k, a in part.arrays.items()}
+    part.arrays = {k: a.resize(exclusive_max=[16, *a.shape[1:]]).result() for k, a in part.arrays.items()}
+    for k, a in part.arrays.items():
+        a[8:16].write(garbage[k]).result()
+    assert FeatureStore.open(tmp_path / "fs").num_sequences == 8
+    resumed = write_features(tiny_model, rows, tmp_path / "fs", max_len=32, capture_layers=(0, 1, 1),
+                             batch_size=8, progress=False)  # fmt: skip
+    assert resumed.num_sequences == 32
+    full, again = store.read(range(32)), resumed.read(range(32))
+    for name in full:
+        np.testing.assert_array_equal(full[name], again[name], err_msg=name)
+    assert full["lengths"][0] == 24 and full["starts"][0] == 4
+    assert np.abs(full["hidden"][:, :24]).sum() > 0
+
+
+def _train_tiny(tiny_model, store, method: str, steps: int, run_dir: Path, online: bool = False):
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective
+    from jaxspec.train.trainer import TrainConfig, split_trainable, train
+
+    config = head_config_for(
+        method, tiny_model.config, depth=2, draft_vocab_size=128, eagle3_layers=(0, 1, 1)
+    )
+    head = new_head(config, seed=0, draft_ids=np.arange(0, 256, 2))
+    trainable, head_fixed = split_trainable(head.params)
+    objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config,
+                          depth=1 if method == "eagle" else 2, num_positions=8)  # fmt: skip
+    train_config = TrainConfig(
+        steps=steps,
+        batch_size=8,
+        learning_rate=LEARNING_RATE,
+        warmup_steps=5,
+        log_every=5,
+        checkpoint_every=steps,
+    )
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    return train(
+        objective, {"head": trainable}, fixed, store, run_dir, train_config, online=online, progress=False
+    )
+
+
+def _first_and_last(metrics: list[dict]) -> tuple[dict, dict]:
+    """The first logged entry and the mean of the last three (single steps are noisy)."""
+    last = metrics[-3:]
+    mean = {
+        "loss": float(np.mean([m["loss"] for m in last])),
+        "depth_acc": np.mean([m["depth_acc"] for m in last], axis=0).tolist(),
+    }
+    return metrics[0], mean
+
+
+def test_medusa_loss_falls_and_accuracy_rises(tiny_model, store, tmp_path):
+    result = _train_tiny(tiny_model, store, "medusa", 60, tmp_path / "run")
+    first, last = _first_and_last(result.metrics)
+    assert last["loss"] < 0.75 * first["loss"]
+    assert last["depth_acc"][0] > first["depth_acc"][0] + 0.1
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_attention_heads_learn(tiny_model, store, tmp_path, method):
+    result = _train_tiny(tiny_model, store, method, 60, tmp_path / "run")
+    first, last = _first_and_last(result.metrics)
+    # EAGLE's soft targets keep the loss near the target's entropy: it falls little, accuracy rises.
+    assert last["loss"] < first["loss"]
+    assert last["depth_acc"][0] > first["depth_acc"][0] + 0.1
+
+
+@pytest.mark.slow
+def test_online_features_give_the_offline_loss(tiny_model, rows, store, tmp_path):
+    from jaxspec.train.cli import OnlineSource
+
+    offline = _train_tiny(tiny_model, store, "eagle3", 5, tmp_path / "off")
+    online = _train_tiny(tiny_model, OnlineSource(rows, 32), "eagle3", 5, tmp_path / "on", online=True)
+    np.testing.assert_allclose(offline.metrics[-1]["loss"], online.metrics[-1]["loss"], rtol=1e-4)
+
+
+def _cli(workdir: Path, tiny: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "jaxspec.cli", "train", "--method", "medusa", "--model", str(tiny),
+        "--workdir", str(workdir), "--stages", "train,export", "--steps", "60", "--batch-size", "8",
+        "--checkpoint-every", "4", "--depth", "2", "--num-positions", "8", "--max-len", "32",
+        "--save-dtype", "float32", "--no-progress", "--output", str(workdir / "head"), *extra,
+    ]  # fmt: skip
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(tiny, rows, store, tmp_path):
+    import shutil
+
+    from jaxspec.train.export import load_saved_head
+
+    dirs = {}
+    for name in ("straight", "killed"):
+        d = tmp_path / name
+        d.mkdir()
+        append_jsonl_rows(d / "distill.jsonl", rows)
+        shutil.copytree(store.path, d / "features")
+        dirs[name] = d
+    subprocess.run(_cli(dirs["straight"], tiny), check=True, env=_env(), cwd=REPO, capture_output=True)
+
+    proc = subprocess.Popen(_cli(dirs["killed"], tiny), env=_env(), cwd=REPO, stderr=subprocess.PIPE)
+    checkpoints = dirs["killed"] / "run_medusa" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (checkpoints / "12").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert steps and max(steps) < 60, f"the run was not interrupted mid-training: {steps}"
+    assert not (dirs["killed"] / "head").exists()
+    subprocess.run(
+        _cli(dirs["killed"], tiny, "--resume"), check=True, env=_env(), cwd=REPO, capture_output=True
+    )
+
+    a, b = load_saved_head(dirs["straight"] / "head"), load_saved_head(dirs["killed"] / "head")
+    import jax
+
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    info = json.loads((dirs["killed"] / "head" / "training.json").read_text())
+    assert info["steps"] == 60
+    log_steps = [
+        json.loads(line)["step"] for line in (dirs["killed"] / "run_medusa" / "metrics.jsonl").open()
+    ]
+    assert log_steps == sorted(set(log_steps)) and log_steps[-1] == 60
+
+
+_WRITER = """
+import sys, json, jaxspec
+from jaxspec.train.features import write_features
+from jaxspec.train.distill import distill
+rows = json.loads(open(sys.argv[3]).read())
+model = jaxspec.load(sys.argv[2])
+if sys.argv[1] == "features":
+    write_features(model, rows, sys.argv[4], max_len=32, capture_layers=(0, 1, 1), batch_size=2,
+                   progress=False)
+else:
+    distill(model, rows, sys.argv[4], max_new_tokens=8, batch_size=2, progress=False)
+"""
+
+
+def _kill_when(proc, ready, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_kill_during_feature_writing_and_distillation_loses_nothing(tiny, tiny_model, rows, store, tmp_path):
+    from jaxspec.train.distill import distill
+    from jaxspec.train.features import FeatureStore, write_features
+
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    fs = tmp_path / "fs"
+
+    def committed() -> int:
+        try:
+            return json.loads((fs / "meta.json").read_text())["num_committed"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            return 0
+
+    cmd = [sys.executable, "-c", _WRITER, "features", str(tiny), str(tmp_path / "rows.json"), str(fs)]
+    _kill_when(subprocess.Popen(cmd, env=_env(), cwd=REPO), lambda: committed() >= 4)
+    partial = FeatureStore.open(fs)
+    n = partial.num_sequences
+    assert 4 <= n < 32
+    np.testing.assert_array_equal(partial.read(range(n))["hidden"], store.read(range(n))["hidden"])
+    resumed = write_features(
+        tiny_model, rows, fs, max_len=32, capture_layers=(0, 1, 1), batch_size=2, progress=False
+    )
+    np.testing.assert_array_equal(resumed.read(range(32))["layers"], store.read(range(32))["layers"])
+
+    out = tmp_path / "distill.jsonl"
+    prompts = [{"id": r["id"], "prompt_ids": r["prompt_ids"]} for r in rows[:12]]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    cmd = [sys.executable, "-c", _WRITER, "distill", str(tiny), str(tmp_path / "prompts.json"), str(out)]
+    _kill_when(
+        subprocess.Popen(cmd, env=_env(), cwd=REPO),
+        lambda: out.exists() and out.read_bytes().count(b"\n") >= 4,
+    )
+    kept = read_jsonl_rows(out)
+    assert 4 <= len(kept) < 12
+    reference = distill(
+        tiny_model, prompts, tmp_path / "reference.jsonl", max_new_tokens=8, batch_size=2, progress=False
+    )
+    resumed_rows = distill(tiny_model, prompts, out, max_new_tokens=8, batch_size=2, progress=False)
+    assert [r["id"] for r in resumed_rows] == [r["id"] for r in prompts]
+    assert resumed_rows == reference
