@@ -39,7 +39,10 @@ def load_draft_model(target: Model, spec: SpecConfig) -> Model:
     source = spec.head or target.source
     draft = target if source == target.source else _load_cached(source, target.dtype.name)
     if draft.config.vocab_size != target.config.vocab_size:
-        raise InputError(X)
+        raise InputError(
+            f"draft model {source}: vocabulary {draft.config.vocab_size} "
+            f"!= target's {target.config.vocab_size}"
+        )
     if spec.draft_num_layers is not None:
         draft = truncate_layers(draft, spec.draft_num_layers)
     return draft

@@ -39,6 +39,13 @@ from jaxspec.spec.head_drafters import (
 from jaxspec.spec.round_context import RoundContext
 
 
+def block_causal(num_paths: int, width: int) -> jax.Array:
+    """[P * W, P * W] visibility: causal inside each path's window, nothing across paths."""
+    path = jnp.repeat(jnp.arange(num_paths), width)
+    position = jnp.tile(jnp.arange(width), num_paths)
+    return (path[:, None] == path[None, :]) & (position[None, :] <= position[:, None])
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MtpState:
@@ -138,10 +145,7 @@ class MtpDrafter:
             (h^step [B, P, W, d], logits at position c - 1 [B, P, V], path 0's window keys/values)."""
             num_paths = hidden.shape[1]
             tokens = window_tokens(step, paths).reshape(batch, num_paths * w)
-            own = jnp.kron(jnp.eye(num_paths, dtype=jnp.int32), causal_visible(w).astype(jnp.int32)).astype(
-                bool
-            )[None]
-            own = own & jnp.tile(in_sequence, (1, num_paths))[:, None, :]
+            own = block_causal(num_paths, w)[None] & jnp.tile(in_sequence, (1, num_paths))[:, None, :]
             inputs = AttentionInputs(
                 jax.lax.dynamic_index_in_dim(state.cache.keys, step, keepdims=False),
                 jax.lax.dynamic_index_in_dim(state.cache.values, step, keepdims=False),
