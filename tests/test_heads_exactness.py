@@ -38,7 +38,6 @@ SPECS = {
     "eagle": SpecConfig(method="eagle", num_speculative_tokens=2),
     "eagle3": SpecConfig(method="eagle3", num_speculative_tokens=2, extra=(("draft_vocab_size", 12),)),
     "mtp": SpecConfig(method="mtp", num_speculative_tokens=2, extra=(("mtp_num_modules", 2),)),
-    "eagle-tree": SpecConfig(method="eagle", num_speculative_tokens=2, topk=2, num_draft_tokens=4),
 }
 
 

@@ -138,3 +138,14 @@ def test_greedy_speculative_equals_autoregressive_smollm2(smollm2, name):
         for prompt, ref, out in zip(prompts, reference, speculative, strict=False):
             step, margin = _first_divergence_margin(smollm2, prompt, out.token_ids, ref.token_ids)
             assert step is None, f"{name} batch {batch}: diverged at step {step}, logit margin {margin:.2e}"
+
+
+@pytest.mark.slow
+def test_pallas_attention_equals_reference_end_to_end(tiny):
+    """Greedy speculative decoding with the Pallas kernel (interpret mode on CPU) == the jnp reference."""
+    base = {"method": "ngram", "num_speculative_tokens": 3, "topk": 2}
+    reference = jaxspec.generate(
+        tiny, PROMPTS[:2], max_new_tokens=16, spec={**base, "attention": "reference"}
+    )
+    pallas = jaxspec.generate(tiny, PROMPTS[:2], max_new_tokens=16, spec={**base, "attention": "pallas"})
+    assert [c.token_ids for c in pallas] == [c.token_ids for c in reference]

@@ -135,8 +135,7 @@ def num_draft_tokens_for(spec: SpecConfig) -> int:
     if not 1 <= size <= pool:
         raise InputError(
             f"SpecConfig.num_draft_tokens={size}: a tree of topk={spec.topk}, "
-            f"depth={spec.num_speculative_tokens} "
-            f"has {pool} candidates"
+            f"depth={spec.num_speculative_tokens} has {pool} candidates"
         )
     return size
 
@@ -152,7 +151,7 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
     from jaxspec.spec.mtp_drafter import MtpDrafter
 
     hook = logits_hook
-    params = {"head": None, "hook": hook_params if hook is not None else ()}
+    hook_data = hook_params if hook is not None else ()
     head = head_for(model, spec)
     check_head_fits(head, model)
     config = head.config
@@ -172,7 +171,7 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
             static_tree=tree,
             logits_hook=hook,
         )
-        return drafter, dict(params, head=head.params)
+        return drafter, {"head": head.params, "hook": hook_data}
     tree_size = num_draft_tokens_for(spec) if spec.topk > 1 else None
     if isinstance(config, EagleConfig | Eagle3Config):
         layers = config.target_layers if isinstance(config, Eagle3Config) else ()
@@ -186,7 +185,7 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
             logits_hook=hook,
             capture_layers=layers,
         )
-        return drafter, dict(params, head=head.params)
+        return drafter, {"head": head.params, "hook": hook_data}
     drafter = MtpDrafter(
         target_graphdef=model.graphdef,
         module_graphdef=head.graphdef,
@@ -196,4 +195,4 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
         num_draft_tokens=tree_size,
         logits_hook=hook,
     )
-    return drafter, dict(params, head=head.params)
+    return drafter, {"head": head.params, "hook": hook_data}
