@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -48,7 +50,8 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
     p.add_argument("--draft-model", default=None, help="draft_model: another same-vocabulary model")
     p.add_argument(
         "--heads", type=_heads, default={},
-        help="head checkpoints, e.g. eagle=DIR,medusa=DIR (without one a method runs a random head)",
+        help="head checkpoints, e.g. eagle=DIR,medusa=DIR (default: configs/heads/MODEL/METHOD when it "
+        "exists; otherwise a method runs a random head)",
     )  # fmt: skip
     p.add_argument("--acceptance", default="exact", choices=("exact", "greedy", "typical_lossy"))
     p.add_argument("--temperature", type=float, default=0.0)
@@ -57,6 +60,10 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
     p.add_argument("--repeats", type=int, default=reps)
     p.add_argument("--step-iters", type=int, default=10, help="timed calls per separately jitted step")
     p.add_argument("--out-dir", default=None, help="write bench.md, bench.json and PNG plots here")
+    p.add_argument(
+        "--compile-cache", default=None,
+        help="JAX persistent compilation cache directory (a rerun skips most compilation)",
+    )  # fmt: skip
 
 
 def add_parser(subparsers) -> None:
@@ -109,6 +116,29 @@ def _environment(peer: bool) -> str:
     return text + "."
 
 
+def _default_heads(model: str, given: dict[str, str]) -> dict[str, str]:
+    """--heads, completed with the heads shipped in configs/heads/MODEL/METHOD (if run from the repo)."""
+    heads = dict(given)
+    for method in ("medusa", "eagle", "eagle3", "mtp"):
+        shipped = Path("configs") / "heads" / model / method
+        if method not in heads and (shipped / "jaxspec_head.json").is_file():
+            heads[method] = str(shipped)
+    return heads
+
+
+def _partial_writer(out_dir: str | None):
+    """After each repeat: the raw result so far to OUT_DIR/bench.partial.json (None without out_dir)."""
+    if not out_dir:
+        return None
+
+    def write(raw: dict[str, Any]) -> None:
+        path = Path(out_dir) / "bench.partial.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(raw, default=str), encoding="utf-8")
+
+    return write
+
+
 def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     import jaxspec
     from jaxspec.bench import runner
@@ -117,6 +147,10 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     from jaxspec.loading.registry import resolve_model_path
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.compile_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     model = jaxspec.load(args.model)
     prompts = runner.read_prompts(args.prompts, model, chat=not args.no_chat, limit=args.limit)
     methods = runner.parse_methods(args.methods, args.draft_lengths)
@@ -129,7 +163,8 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     variants, skipped = runner.build_variants(
         methods, tree_sizes=args.tree_sizes, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
         draft_num_layers=None if args.draft_model else args.draft_num_layers, acceptance=args.acceptance,
-        peer_lookup_tokens=lookup, peer=use_peer, draft_model=args.draft_model, heads=args.heads,
+        peer_lookup_tokens=lookup, peer=use_peer, draft_model=args.draft_model,
+        heads=_default_heads(args.model, args.heads),
     )  # fmt: skip
     runnable = []
     for variant in variants:
@@ -149,7 +184,7 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     raw = runner.run_benchmark(
         model, prompts, runnable, batch_sizes=args.batch_sizes, max_new_tokens=args.max_new_tokens,
         repeats=args.repeats, sampling=jaxspec.SamplingParams(temperature=args.temperature), peer=peer,
-        step_iters=args.step_iters, log=log,
+        step_iters=args.step_iters, log=log, checkpoint=_partial_writer(args.out_dir),
     )  # fmt: skip
     raw["skipped"] = skipped
     raw["environment"] = _environment(use_peer)
@@ -172,5 +207,6 @@ def run(args: argparse.Namespace) -> int:
         print(markdown(raw, summary, command))
     if args.out_dir:
         paths = write_report(raw, summary, args.out_dir, command)
+        (Path(args.out_dir) / "bench.partial.json").unlink(missing_ok=True)
         print("wrote " + ", ".join(str(p) for p in paths.values()), file=sys.stderr)
     return 0

@@ -212,11 +212,13 @@ def run_benchmark(
     peer=None,
     step_iters: int = 10,
     log: Callable[[str], None] = print,
+    checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Warm up every (variant, shape bucket), measure step costs, then `repeats` interleaved passes.
 
     Returns the raw result (see summary.py): variants with step costs and warm-up (compile) seconds,
-    one run record per generate call, the baseline label and the settings.
+    one run record per generate call, the baseline label and the settings. `checkpoint`, if given,
+    receives the raw result so far after every repeat (a long run killed midway keeps its data).
     """
     import jaxspec
 
@@ -272,6 +274,19 @@ def run_benchmark(
         )
 
     runs: list[dict[str, Any]] = []
+    raw = {
+        "baseline": BASELINE,
+        "variants": list(described.values()),
+        "runs": runs,
+        "settings": {
+            "batch_sizes": list(batch_sizes),
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "sampling": dataclasses.asdict(sampling),
+            "num_prompts": len(prompts.ids),
+            "step_cost_prompt": prompts.ids[median_prompt],
+        },
+    }
     for repeat in range(repeats):
         for b in batch_sizes:
             for chunk_no, indices in enumerate(batches_of(prompts, b)):
@@ -285,16 +300,6 @@ def run_benchmark(
                         "categories": [prompts.categories[i] for i in indices], "stats": stats,
                     })  # fmt: skip
             log(f"repeat {repeat + 1}/{repeats} batch size {b} done")
-    return {
-        "baseline": BASELINE,
-        "variants": list(described.values()),
-        "runs": runs,
-        "settings": {
-            "batch_sizes": list(batch_sizes),
-            "max_new_tokens": max_new_tokens,
-            "repeats": repeats,
-            "sampling": dataclasses.asdict(sampling),
-            "num_prompts": len(prompts.ids),
-            "step_cost_prompt": prompts.ids[median_prompt],
-        },
-    }
+        if checkpoint is not None:
+            checkpoint(raw)
+    return raw
