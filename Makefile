@@ -21,8 +21,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/jaxspec demo
 
+# Two worker processes (one per core), whole files per worker: compiles overlap with runs, and no single
+# process accumulates every compiled program of the suite.
 test: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"

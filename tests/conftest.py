@@ -11,6 +11,13 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop jax's compiled-program caches after each test module (keeps a long run's memory flat)."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model (float32), loaded once per test session."""
