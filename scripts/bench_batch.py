@@ -15,7 +15,7 @@ the autoregressive program: its column repeats the autoregressive number.
 
 --calibrate also times n-gram drafting at each of --depths (and --topks) per batch size and prints the
 fastest shape per batch size as a policy table (off where nothing beats autoregressive by --margin):
-the measurements behind `jaxspec.spec.policy.DEFAULT_POLICY`. Prints Markdown tables.
+the measurements behind `jaxspec.spec.policy.default_policy("cpu")`. Prints Markdown tables.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from jaxspec.batch.schedule import plan_batches
 from jaxspec.batch_job import main
 from jaxspec.config import SpecConfig
 from jaxspec.errors import InputError, JaxspecError
-from jaxspec.spec.policy import DEFAULT_POLICY, SpeculationPolicy, choose_spec, load_policy
+from jaxspec.spec.policy import SpeculationPolicy, choose_spec, default_policy, load_policy
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,10 @@ def test_policy_picks_shape_by_batch_size_and_turns_off():
     assert choose_spec("auto", None, 1, policy).method == "ngram"
     assert choose_spec("fixed", base, 64, policy) is base
     assert choose_spec("off", base, 1, policy) is None
-    assert load_policy(None) is DEFAULT_POLICY
+    assert load_policy(None) is default_policy()
+    assert default_policy("cpu").spec_for(base, 1).num_speculative_tokens == 1  # measured on the dev CPU
+    assert default_policy("cpu").rule_for(4) is None
+    assert default_policy("tpu").spec_for(base, 1).num_speculative_tokens == 4
     assert load_policy(json.dumps(policy.to_dict())) == policy
     with pytest.raises(InputError):
         SpeculationPolicy.from_dict({"rules": [{"max_batch": 2, "depth": 3}]})
@@ -341,17 +344,12 @@ def test_resume_after_sigkill_at_several_points(tmp_path, tiny_dir):
         {"id": f"r{i}", "prompt_ids": [1 + i, 2 + i, 3 + i], "max_new_tokens": 6 + i} for i in range(8)
     ]
     src = write_jsonl(tmp_path / "in.jsonl", requests)
+    # Policy: speculate (n-gram, k=2) only on single-row batches; greedy output must not change.
+    policy = '{"rules": [{"max_batch": 1, "num_speculative_tokens": 2}]}'
     common = [
-        "--input",
-        str(src),
-        "--model",
-        str(tiny_dir),
-        "--batch-size",
-        "2",
-        "--policy",
-        "off",
+        "--input", str(src), "--model", str(tiny_dir), "--batch-size", "2", "--policy-json", policy,
         "--no-progress",
-    ]
+    ]  # fmt: skip
     reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
     run_driver(tmp_path, [*common, "--output", str(reference)], "none")
 
@@ -369,6 +367,8 @@ def test_resume_after_sigkill_at_several_points(tmp_path, tiny_dir):
     assert len(ids) == len(set(ids)) == len(requests)
     by_id = {r["id"]: (r["token_ids"], r["finish_reason"]) for r in final}
     assert by_id == {r["id"]: (r["token_ids"], r["finish_reason"]) for r in read_jsonl(reference)}
+    assert {r["stats"]["speculation"] for r in read_jsonl(reference)} == {"off"}
+    assert final[-1]["id"] == "r7" and final[-1]["stats"]["speculation"] == "ngram k=2 topk=1"
     assert all(len(by_id[r["id"]][0]) == r["max_new_tokens"] for r in requests)
     run_driver(tmp_path, args, "none")  # a rerun of a finished job writes nothing
     assert read_jsonl(out) == final

@@ -1,23 +1,40 @@
 """Batch-aware speculation policy: how much to draft for a given batch size, and when not to.
 
 Speculation turns one target forward over 1 token into one forward over a draft tree of N tokens.
-At batch 1 a decode step is bound by reading the weights, so the extra tokens are nearly free and
-every accepted draft token is a win. As the batch grows the step becomes compute bound, the N-token
-forward costs nearly N times a 1-token one, and the drafts must be accepted more and more often to
-pay for themselves; past some batch size speculation only costs throughput. A `SpeculationPolicy`
-maps the batch size to a draft shape (draft length, branches) or to "off".
+When a decode step is bound by reading the weights (small batches on an accelerator), the extra
+tokens are nearly free and every accepted draft token is a win. As the batch grows the step becomes
+compute bound, the N-token forward costs up to N times a 1-token one, and the drafts must be accepted
+more and more often to pay for themselves; past some batch size speculation only costs throughput.
+A `SpeculationPolicy` maps the batch size (rows of the compiled batch) to a draft shape (draft length,
+branches) or to "off". The same table serves every drafting method.
 
-Defaults (`DEFAULT_POLICY`) were measured on this project's development machine (2 shared CPU cores,
-float32, SmolLM2-135M-Instruct, greedy, the dev prompts with the chat template, 128 new tokens):
+Defaults (`default_policy(backend)`):
 
-    .venv/bin/python scripts/bench_batch.py --prompts ../shared/prompts_dev.jsonl \
-        --max-new-tokens 128 --calibrate
+- "cpu": measured on this project's development machine (2 CPU cores, float32,
+  SmolLM2-135M-Instruct, n-gram drafting, greedy, the 24 dev prompts with the chat template repeated
+  to fill the batch, 128 new tokens), in one run (21 min):
 
-`--calibrate` times autoregressive decoding and n-gram drafting at several draft lengths for each
-batch size and prints the policy table that the measurements support (the fastest shape per batch
-size, off where nothing beats autoregressive). See MEASURED below for the numbers behind the table.
-On accelerators (TPU/GPU) decode stays memory bound to much larger batches: re-measure there and pass
-the result with `--policy-json`.
+      python scripts/bench_batch.py --prompts ../shared/prompts_dev.jsonl --max-new-tokens 128 \
+          --calibrate --depths 1,2 --json docs/bench/batch_calibrate.json
+
+  Speedup of n-gram drafting at draft length k over autoregressive decoding (median of per-batch
+  paired ratios; mean accepted length in parentheses):
+
+      batch  autoregressive tok/s  k=1           k=2           policy
+      1      20.9                  1.07x (1.32)  1.04x (1.51)  k=1
+      4      52.2                  0.98x (1.24)  0.95x (1.35)  off
+      16     56.2                  0.93x (1.24)  0.84x (1.35)  off
+      64     56.6                  0.89x (1.22)  0.76x (1.31)  off
+
+  Only batch 1 at k=1 beats autoregressive decoding by the 5% margin (an earlier calibration on a
+  busier machine gave 1.03x there, and k=3-4 lost at every batch size), so the CPU policy drafts one
+  token at batch 1 and nothing beyond. Why so little: on this CPU the verify forward over k + 1 tokens
+  costs 1.45x (k=2) to 1.7x (k=4) a one-token step (XLA:CPU's small-row matmuls), the step is already
+  compute bound at batch 4-16 (throughput flat from 16 to 64 rows), and n-gram drafts of these chat
+  answers are accepted rarely (1.2-1.5 tokens per forward).
+- "gpu" / "tpu": NOT measured here (no accelerator was available): a prior, k=4 up to 4 rows, k=2
+  up to 16, off beyond. Re-measure with `bench_batch.py --calibrate` on the target machine and pass
+  the printed table with `--policy-json`.
 
 Override from the batch job with `--policy-json FILE_OR_JSON`:
 
@@ -107,23 +124,31 @@ class SpeculationPolicy:
         return cls(tuple(sorted(parsed, key=lambda r: r.max_batch)))
 
 
-# Measured with the command in the module docstring; speedup = policy tokens/s / autoregressive tokens/s.
-MEASURED = """
-(filled in from scripts/bench_batch.py --calibrate)
-"""
-
-DEFAULT_POLICY = SpeculationPolicy(
+CPU_POLICY = SpeculationPolicy(
+    rules=(PolicyRule(max_batch=1, num_speculative_tokens=1),)
+)  # measured (module docstring)
+ACCELERATOR_PRIOR = SpeculationPolicy(
     rules=(
-        PolicyRule(max_batch=1, num_speculative_tokens=3),
-        PolicyRule(max_batch=4, num_speculative_tokens=2),
+        PolicyRule(max_batch=4, num_speculative_tokens=4),
+        PolicyRule(max_batch=16, num_speculative_tokens=2),
     )
-)
+)  # not measured here: re-measure on the accelerator (module docstring)
+DEFAULT_POLICIES = {"cpu": CPU_POLICY, "gpu": ACCELERATOR_PRIOR, "tpu": ACCELERATOR_PRIOR}
+
+
+def default_policy(backend: str | None = None) -> SpeculationPolicy:
+    """The default table for `backend` ("cpu" | "gpu" | "tpu"; None = jax's default backend)."""
+    if backend is None:
+        import jax
+
+        backend = jax.default_backend()
+    return DEFAULT_POLICIES.get(backend, ACCELERATOR_PRIOR)
 
 
 def load_policy(text_or_path: str | None) -> SpeculationPolicy:
-    """None -> DEFAULT_POLICY; else a JSON string (starts with '{' or '[') or the path of a JSON file."""
+    """None -> default_policy(); else a JSON string (starts with '{' or '[') or the path of a JSON file."""
     if text_or_path is None:
-        return DEFAULT_POLICY
+        return default_policy()
     text = text_or_path.strip()
     try:
         if not text.startswith(("{", "[")):
@@ -143,7 +168,7 @@ def choose_spec(
 
     mode "off": never speculate. "fixed": `base` as given at every batch size. "auto": `base`'s method
     (n-gram when `base` is None: it needs no weights) with the draft shape `policy` picks for
-    `batch_size` (DEFAULT_POLICY when `policy` is None).
+    `batch_size` (default_policy() when `policy` is None).
     """
     if mode not in POLICY_MODES:
         raise InputError(f"policy mode must be one of {POLICY_MODES}, got {mode!r}")
@@ -151,7 +176,7 @@ def choose_spec(
         return None
     if mode == "fixed":
         return base if base is not None and base.method is not None else None
-    return (policy or DEFAULT_POLICY).spec_for(base or SpecConfig(method="ngram"), batch_size)
+    return (policy or default_policy()).spec_for(base or SpecConfig(method="ngram"), batch_size)
 
 
 def describe_spec(spec: SpecConfig | None) -> str:

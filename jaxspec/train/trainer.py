@@ -109,7 +109,7 @@ def make_train_step(objective: Objective, optimizer: optax.GradientTransformatio
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trainable, fixed, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
-        return trainable, opt_state, dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        return trainable, opt_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
 
     return jax.jit(train_step)
 
