@@ -37,6 +37,22 @@ def _linear(din: int, dout: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
 
 
+def rotated_qkv(attention: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Projections of a Llama-style attention module (q_proj, k_proj, v_proj, optional q_norm / k_norm).
+
+    x [B, N, Din], cos/sin [B, N, D] -> q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D]; q and k
+    normalised per head when config.qk_norm (Qwen3), then rotated.
+    """
+    c = attention.config
+    b, n, _ = x.shape
+    q = attention.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+    k = attention.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+    v = attention.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+    if c.qk_norm:
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
@@ -63,12 +79,7 @@ class Attention(nnx.Module):
         """x [B, N, d] -> (out [B, N, d], new keys [B, Hkv, N, D], new values [B, Hkv, N, D])."""
         c = self.config
         b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = rotated_qkv(self, x, cos, sin)
         out = attention_fn(q, k_cache, v_cache, lengths, k, v, tree_mask, scale=c.head_dim**-0.5)
         out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
         return self.o_proj(out), k, v

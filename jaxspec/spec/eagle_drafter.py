@@ -31,6 +31,7 @@ from jaxspec.cache import write_window
 from jaxspec.models.heads.configs import Eagle3Config, EagleConfig
 from jaxspec.models.heads.layers import AttentionInputs, HeadCache, causal_visible, empty_cache_inputs
 from jaxspec.spec.head_drafters import (
+    ChainOrDynamicTreeShape,
     apply_hook,
     candidate_scores,
     dynamic_tree,
@@ -57,7 +58,7 @@ class EagleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(ChainOrDynamicTreeShape):
     target_graphdef: nnx.GraphDef
     head_graphdef: nnx.GraphDef
     config: EagleConfig | Eagle3Config
@@ -66,18 +67,6 @@ class EagleDrafter:
     num_draft_tokens: int | None = None  # dynamic tree size; None = chain
     logits_hook: Any = None
     capture_layers: tuple[int, ...] = ()
-
-    @property
-    def is_tree(self) -> bool:
-        return self.num_draft_tokens is not None
-
-    @property
-    def num_nodes(self) -> int:
-        return 1 + (self.num_draft_tokens if self.is_tree else self.depth)
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
 
     def _modules(self, draft_params, target_params):
         head = nnx.merge(self.head_graphdef, draft_params["head"])

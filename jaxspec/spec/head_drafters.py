@@ -168,6 +168,26 @@ def emitted_tokens(result: sampling.VerifyResult, num_accepted: jax.Array, size:
     )
 
 
+class ChainOrDynamicTreeShape:
+    """Shape properties of a drafter that drafts a chain of `depth` tokens, or an EAGLE-2 dynamic tree of
+    `num_draft_tokens` nodes over `depth` levels (fields of the dataclass that mixes this in)."""
+
+    depth: int
+    num_draft_tokens: int | None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.num_draft_tokens is not None
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 + (self.num_draft_tokens if self.is_tree else self.depth)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+
 @dataclasses.dataclass(frozen=True)
 class ForcedTokens:
     """A logits hook that makes the head draft given tokens: logits become `margin` * one_hot(table[b, i])

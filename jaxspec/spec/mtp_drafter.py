@@ -29,6 +29,7 @@ from jaxspec.models.heads.configs import MtpConfig
 from jaxspec.models.heads.layers import AttentionInputs, HeadCache, causal_visible, empty_cache_inputs
 from jaxspec.models.heads.mtp import mtp_logits, mtp_module_forward
 from jaxspec.spec.head_drafters import (
+    ChainOrDynamicTreeShape,
     apply_hook,
     candidate_scores,
     dynamic_tree,
@@ -57,7 +58,7 @@ class MtpState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MtpDrafter:
+class MtpDrafter(ChainOrDynamicTreeShape):
     target_graphdef: nnx.GraphDef
     module_graphdef: nnx.GraphDef
     config: MtpConfig
@@ -66,18 +67,6 @@ class MtpDrafter:
     num_draft_tokens: int | None = None  # dynamic tree size; None = chain
     logits_hook: Any = None
     capture_layers: tuple[int, ...] = ()
-
-    @property
-    def is_tree(self) -> bool:
-        return self.num_draft_tokens is not None
-
-    @property
-    def num_nodes(self) -> int:
-        return 1 + (self.num_draft_tokens if self.is_tree else self.depth)
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth
 
     @property
     def window(self) -> int:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.config import ModelConfig
-from jaxspec.models.llama import MLP, RMSNorm
-from jaxspec.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from jaxspec.models.llama import MLP, RMSNorm, rotated_qkv
+from jaxspec.models.rope import inverse_frequencies, rope_cos_sin
 
 _MASKED = -1e30
 
@@ -120,12 +120,7 @@ class HeadAttention(nnx.Module):
         """x [B, N, Din] -> (out [B, N, d], own keys [B, Hkv, N, D], own values [B, Hkv, N, D])."""
         c = self.config
         b, n, _ = x.shape
-        q = self.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = rotated_qkv(self, x, cos, sin)
         out = masked_attention(q, k, v, inputs, c.head_dim**-0.5)
         out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
         return self.o_proj(out), k, v
