@@ -55,6 +55,23 @@ def write_window(layer_buffer: jax.Array, new: jax.Array, lengths: jax.Array) ->
     return _write_rows(layer_buffer, new, lengths)
 
 
+def write_window_flat(layer_buffer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """`write_window` done on the [B * H, S, D] view: the shape XLA gives attention's batched dots.
+
+    When attention then reads the written buffer (`jaxspec.forward.cached_attention`), writer and reader
+    share one buffer and the update stays in place; on the 4-D view XLA:CPU duplicated the update into
+    each reader's fusion and copied the whole layer buffer twice per step. Merging B and H must not
+    cross shards: with a mesh, call it per shard (inside shard_map).
+    """
+    b, h, s, d = layer_buffer.shape
+    flat = jax.vmap(lambda buf, upd, start: jax.lax.dynamic_update_slice(buf, upd, (start, 0)))(
+        layer_buffer.reshape(b * h, s, d),
+        new.astype(layer_buffer.dtype).reshape(b * h, new.shape[2], d),
+        jnp.repeat(lengths, h, total_repeat_length=b * h),
+    )
+    return flat.reshape(b, h, s, d)
+
+
 def commit_path(cache: KVCache, path: jax.Array, num_committed: jax.Array, window: int) -> KVCache:
     """Keep the accepted path of the window just written and advance the lengths.
 

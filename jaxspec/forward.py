@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import KVCache
+from jaxspec.cache import KVCache, write_window_flat
 from pallas_kernels import tree_attention
 
 
@@ -27,6 +27,30 @@ def attention_for(impl: str, mesh: jax.sharding.Mesh | None = None):
     return attention_fn
 
 
+def cached_attention(impl: str, mesh: jax.sharding.Mesh | None = None):
+    """A decoder layer's cache step: write the N new keys/values into the window
+    [lengths, lengths + N), then tree attention over prefix + new tokens (`attention_for(impl)`).
+
+    (q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale) -> (out [B, Hq, N, D], k_cache,
+    v_cache). Writing before attending leaves the in-place update as the only reader of the old cache
+    buffer, so XLA updates each layer's cache in place; read-then-write made XLA:CPU copy every layer's
+    buffer twice per step (~10 ms of a 45 ms SmolLM2 decode step). With a mesh, write and attention run
+    per shard, so the cache is never gathered.
+    """
+
+    def write_and_attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale):
+        k_cache = write_window_flat(k_cache, k_new, lengths)
+        v_cache = write_window_flat(v_cache, v_new, lengths)
+        out = tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, scale=scale, impl=impl)
+        return out, k_cache, v_cache
+
+    if mesh is not None:
+        from jaxspec.sharding import shard_attention
+
+        return shard_attention(write_and_attend, mesh, returns_cache=True)
+    return write_and_attend
+
+
 def model_forward(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -45,7 +69,7 @@ def model_forward(
     mesh: the mesh params and cache are sharded over (attention then runs per shard); None = one device.
     """
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, cache, tree_mask, attention_for(attention, mesh), capture_layers)
+    return model(tokens, positions, cache, tree_mask, cached_attention(attention, mesh), capture_layers)
 
 
 def lm_logits(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:

@@ -359,8 +359,17 @@ def place_batch(tree: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> 
 # ----------------------------------------------------------------------------------------------------
 
 
-def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+def shard_attention(
+    attention_fn: Callable[..., Any],
+    mesh: Mesh,
+    rules: ShardingRules = DEFAULT_RULES,
+    *,
+    returns_cache: bool = False,
+):
     """Run a tree-attention function (the `tree_attention_reference` signature) per shard.
+
+    returns_cache: attention_fn returns (out, k_cache, v_cache) (`jaxspec.forward.cached_attention`); the
+    caches keep their sharding.
 
     Each device attends its own rows and kv heads against its own piece of the KV cache, so the
     attention needs no collective and a Pallas kernel (which XLA cannot partition) sees plain local
@@ -382,7 +391,7 @@ def shard_attention(attention_fn: Callable[..., jax.Array], mesh: Mesh, rules: S
             local,
             mesh=mesh,
             in_specs=(q_spec, kv, kv, row, tree_spec, tree_spec, mask_spec),
-            out_specs=q_spec,
+            out_specs=(q_spec, kv, kv) if returns_cache else q_spec,
             check_vma=False,
         )(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask)
 

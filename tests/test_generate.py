@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxspec
+import jaxspec.forward as forward
 from jaxspec.autoregressive import generate_autoregressive
+from jaxspec.bench.step_costs import single_request
+from jaxspec.cache import write_window
+from pallas_kernels import tree_attention
 from tests.tiny_models import save_tiny
 
 RAGGED = [[5, 17, 99, 3], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42], list(range(30, 50))]
@@ -80,3 +88,31 @@ def test_bad_sampling_params_name_the_field():
 def test_missing_model_path_names_it(tmp_path):
     with pytest.raises(jaxspec.ModelLoadError, match="does-not-exist"):
         jaxspec.load(str(tmp_path / "does-not-exist"))
+
+
+def _decode_program_cache_copies(model, max_len: int) -> int:
+    """Copies of whole KV-cache layer buffers in the compiled generate loop (batch 4)."""
+    requests = single_request([5, 17, 99, 3], 16, jaxspec.SamplingParams())
+    requests = jax.tree.map(lambda a: jnp.concatenate([a] * 4) if jnp.ndim(a) else a, requests)
+    c = model.config
+    hlo = generate_autoregressive.lower(
+        model.graphdef, model.params, requests, config=c, max_len=max_len, capacity=17, eos_ids=()
+    ).compile().as_text()  # fmt: skip
+    return len(re.findall(rf"f32\[4,{c.num_kv_heads},{max_len},{c.head_dim}\]\{{[0-9,]+\}} copy\(", hlo))
+
+
+def test_decode_loop_updates_the_kv_cache_in_place(tiny, monkeypatch):
+    """Each layer writes its new keys/values, then attends over the written buffer: XLA keeps every
+    layer's cache in place. Attending over the old buffer and then writing made XLA:CPU copy every
+    layer's cache twice per step (the broken variant below shows the check sees those copies)."""
+    assert _decode_program_cache_copies(tiny, max_len=48) == 0
+
+    def read_then_write(impl, mesh=None):
+        def attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale):
+            out = tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, scale=scale)
+            return out, write_window(k_cache, k_new, lengths), write_window(v_cache, v_new, lengths)
+
+        return attend
+
+    monkeypatch.setattr(forward, "cached_attention", read_then_write)
+    assert _decode_program_cache_copies(tiny, max_len=56) >= 2 * tiny.config.num_layers

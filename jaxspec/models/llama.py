@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import KVCache, write_window
+from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
-AttentionFn = Callable[..., jax.Array]
+# (q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale) -> (out, k_cache, v_cache): writes the
+# new keys/values at [lengths, lengths + N) and attends over prefix + tree (jaxspec.forward.cached_attention).
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 class RMSNorm(nnx.Module):
@@ -76,13 +78,18 @@ class Attention(nnx.Module):
         tree_mask: jax.Array,
         attention_fn: AttentionFn,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, N, d] -> (out [B, N, d], new keys [B, Hkv, N, D], new values [B, Hkv, N, D])."""
+        """x [B, N, d], caches [B, Hkv, S, D] -> (out [B, N, d], k_cache, v_cache with the N new keys
+        and values written at [lengths, lengths + N)).
+
+        attention_fn writes the window and attends (`jaxspec.forward.cached_attention`).
+        """
         c = self.config
         b, n, _ = x.shape
         q, k, v = rotated_qkv(self, x, cos, sin)
-        out = attention_fn(q, k_cache, v_cache, lengths, k, v, tree_mask, scale=c.head_dim**-0.5)
+        scale = c.head_dim**-0.5
+        out, k_cache, v_cache = attention_fn(q, k_cache, v_cache, lengths, k, v, tree_mask, scale=scale)
         out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
-        return self.o_proj(out), k, v
+        return self.o_proj(out), k_cache, v_cache
 
 
 class MLP(nnx.Module):
@@ -104,12 +111,12 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype, rngs)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn):
-        attn, k, v = self.self_attn(
+        attn, k_cache, v_cache = self.self_attn(
             self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn
         )
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k, v
+        return x, k_cache, v_cache
 
 
 class LlamaModel(nnx.Module):
@@ -154,7 +161,7 @@ class LlamaModel(nnx.Module):
           positions: [B, N] int32 rotary positions (cache length + depth for trees).
           cache: committed KV; new keys/values are written at [lengths, lengths + N).
           tree_mask: [B, N, N] bool visibility among the new tokens (causal for a chain).
-          attention_fn: tree attention with the `tree_attention_reference` signature.
+          attention_fn: cache write + tree attention (`jaxspec.forward.cached_attention`).
           capture_layers: indices of decoder layers whose outputs are returned (for draft heads).
         Returns:
           final hidden [B, N, d] (after the final norm), captured layer outputs (each [B, N, d]),
@@ -164,11 +171,11 @@ class LlamaModel(nnx.Module):
         x = self.embed(tokens)
         new_keys, new_values, captured = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k, v = layer(
+            x, k_cache, v_cache = layer(
                 x, cos, sin, cache.keys[i], cache.values[i], cache.lengths, tree_mask, attention_fn
             )
-            new_keys.append(write_window(cache.keys[i], k, cache.lengths))
-            new_values.append(write_window(cache.values[i], v, cache.lengths))
+            new_keys.append(k_cache)
+            new_values.append(v_cache)
             if i in capture_layers:
                 captured[i] = x
         cache = KVCache(keys=tuple(new_keys), values=tuple(new_values), lengths=cache.lengths)
