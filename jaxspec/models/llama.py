@@ -140,7 +140,10 @@ class LlamaModel(nnx.Module):
     def lm_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., d] (after the final norm) -> float32 logits [..., V]."""
         if self.config.tie_word_embeddings:
-            logits = self.embed_tokens.attend(hidden)
+            # embedding [V, d] as the dot's left operand: a plain row-major matrix-vector product. As
+            # `attend` (hidden @ embedding.T) XLA:CPU read it ~20% slower at decode shapes.
+            embedding = self.embed_tokens.embedding[...]
+            logits = jnp.einsum("vd,...d->...v", embedding, hidden.astype(embedding.dtype))
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)
