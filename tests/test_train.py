@@ -239,6 +239,11 @@ if sys.argv[1] == "features":
     write_features(model, rows, sys.argv[4], max_len=32, capture_layers=(0, 1, 1), batch_size=2,
                    progress=False)
 else:
+    # Pace the batches (tiny compiled batches can all finish within one poll of the parent, which then
+    # kills a finished run): the kill lands mid-run every time.
+    import time, jaxspec.generation as generation
+    unpaced = generation.generate
+    generation.generate = lambda *a, **k: (unpaced(*a, **k), time.sleep(0.25))[0]
     distill(model, rows, sys.argv[4], max_new_tokens=8, batch_size=2, progress=False)
 """
 
