@@ -21,17 +21,17 @@ Defaults (`default_policy(backend)`):
   paired ratios; mean accepted length in parentheses):
 
       batch  autoregressive tok/s  k=1           k=2           policy
-      1      20.9                  1.07x (1.32)  1.04x (1.51)  k=1
-      4      52.2                  0.98x (1.24)  0.95x (1.35)  off
-      16     56.2                  0.93x (1.24)  0.84x (1.35)  off
-      64     56.6                  0.89x (1.22)  0.76x (1.31)  off
+      1      22.7                  1.07x (1.32)  1.06x (1.51)  k=1
+      4      56.3                  1.02x (1.24)  0.98x (1.35)  off
+      16     62.5                  0.84x (1.24)  0.72x (1.35)  off
+      64     70.7                  0.82x (1.22)  0.62x (1.31)  off
 
-  Only batch 1 at k=1 beats autoregressive decoding by the 5% margin (an earlier calibration on a
-  busier machine gave 1.03x there, and k=3-4 lost at every batch size), so the CPU policy drafts one
-  token at batch 1 and nothing beyond. Why so little: on this CPU the verify forward over k + 1 tokens
-  costs 1.45x (k=2) to 1.7x (k=4) a one-token step (XLA:CPU's small-row matmuls), the step is already
-  compute bound at batch 4-16 (throughput flat from 16 to 64 rows), and n-gram drafts of these chat
-  answers are accepted rarely (1.2-1.5 tokens per forward).
+  Only batch 1 at k=1 beats autoregressive decoding by the 5% margin (the same choice as the
+  calibration before the in-place KV cache, and k=3-4 lost at every batch size), so the CPU policy
+  drafts one token at batch 1 and nothing beyond. Why so little: on this CPU the verify forward over
+  k + 1 tokens costs 1.4x (k=2) to 1.7x (k=4) a one-token step (XLA:CPU's small-row matmuls), the step
+  is compute bound from batch 16 on, and n-gram drafts of these chat answers are accepted rarely
+  (1.2-1.5 tokens per forward).
 - "gpu" / "tpu": NOT measured here (no accelerator was available): a prior, k=4 up to 4 rows, k=2
   up to 16, off beyond. Re-measure with `bench_batch.py --calibrate` on the target machine and pass
   the printed table with `--policy-json`.
