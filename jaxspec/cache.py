@@ -64,9 +64,9 @@ def write_window_flat(layer_buffer: jax.Array, new: jax.Array, lengths: jax.Arra
     cross shards: with a mesh, call it per shard (inside shard_map).
     """
     b, h, s, d = layer_buffer.shape
-    flat = jax.vmap(lambda buf, upd, start: jax.lax.dynamic_update_slice(buf, upd, (start, 0)))(
-        layer_buffer.reshape(b * h, s, d),
-        new.astype(layer_buffer.dtype).reshape(b * h, new.shape[2], d),
+    flat = _write_rows(
+        layer_buffer.reshape(b * h, 1, s, d),
+        new.reshape(b * h, 1, new.shape[2], d),
         jnp.repeat(lengths, h, total_repeat_length=b * h),
     )
     return flat.reshape(b, h, s, d)

@@ -38,10 +38,12 @@ def cached_attention(impl: str, mesh: jax.sharding.Mesh | None = None):
     per shard, so the cache is never gathered.
     """
 
+    attend = attention_for(impl)
+
     def write_and_attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale):
         k_cache = write_window_flat(k_cache, k_new, lengths)
         v_cache = write_window_flat(v_cache, v_new, lengths)
-        out = tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, scale=scale, impl=impl)
+        out = attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, scale=scale)
         return out, k_cache, v_cache
 
     if mesh is not None:

@@ -68,18 +68,6 @@ def top_tokens(logits: jax.Array, params: sampling.SamplingArrays, k: int) -> ja
     return jax.lax.top_k(candidate_scores(logits, params), k)[1].astype(jnp.int32)
 
 
-def draw_tokens(q: jax.Array, keys: jax.Array, params: sampling.SamplingArrays) -> jax.Array:
-    """Sample [R] tokens from processed q [R, V] with keys [R]. When every row of the batch is greedy
-    (q one-hot at the raw argmax) a batch-wide `lax.cond` takes the argmax and skips the Gumbel noise
-    over the vocabulary (the same tokens, about a third of a draft step's cost on a large vocabulary)."""
-    all_greedy = jnp.all(params.temperature <= 0.0)
-    return jax.lax.cond(
-        all_greedy,
-        lambda: jnp.argmax(q, axis=-1).astype(jnp.int32),
-        lambda: sampling.sample_from_probs(q, keys),
-    )
-
-
 ChainStep = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 TreeStep = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
@@ -94,7 +82,7 @@ def sampled_chain(
     carry). The depth-d draft uses key fold_in(ctx.keys, d). Returns (DraftTree with q_probs, carry).
     """
     q_first = sampling.process_logits(first_logits, ctx.sampling)
-    first = draw_tokens(q_first, sampling.fold_in_rows(ctx.keys, 1), ctx.sampling)
+    first = sampling.sample_from_probs(q_first, sampling.fold_in_rows(ctx.keys, 1))
     if depth == 1:
         return chain_tree(root, first[:, None], q_first[:, None]), carry
 
@@ -102,7 +90,7 @@ def sampled_chain(
         token, inner = state
         logits, inner = step(inner, token, k)
         q = sampling.process_logits(logits, ctx.sampling)
-        nxt = draw_tokens(q, sampling.fold_in_rows(ctx.keys, k + 1), ctx.sampling)
+        nxt = sampling.sample_from_probs(q, sampling.fold_in_rows(ctx.keys, k + 1))
         return (nxt, inner), (nxt, q)
 
     (_, carry), (tokens, qs) = jax.lax.scan(body, (first, carry), jnp.arange(1, depth, dtype=jnp.int32))

@@ -19,7 +19,7 @@ from jaxspec.forward import last_valid
 from jaxspec.models.heads.configs import MedusaConfig
 from jaxspec.models.heads.medusa import medusa_logits
 from jaxspec.spec import sampling
-from jaxspec.spec.head_drafters import apply_hook, draw_tokens, root_token, top_tokens
+from jaxspec.spec.head_drafters import apply_hook, root_token, top_tokens
 from jaxspec.spec.round_context import RoundContext
 from jaxspec.spec.tree import DraftTree, chain_tree
 from jaxspec.spec.tree_build import StaticTree, fill_static_tree
@@ -73,7 +73,7 @@ class MedusaDrafter:
         keys = jax.vmap(sampling.fold_in_rows, in_axes=(None, 0), out_axes=1)(
             ctx.keys, jnp.arange(1, depth + 1)
         )
-        drafts = draw_tokens(q.reshape(batch * depth, vocab), keys.reshape(-1), ctx.sampling).reshape(
+        drafts = sampling.sample_from_probs(q.reshape(batch * depth, vocab), keys.reshape(-1)).reshape(
             batch, depth
         )
         tree: DraftTree = chain_tree(root, drafts, q)

@@ -239,7 +239,6 @@ def derive_key(seed: jax.Array, request_id: jax.Array, round_idx: jax.Array | in
     return fold_in_rows(round_key(seed, request_id, round_idx), purpose)
 
 
-@jax.jit
 def first_argmax(x: jax.Array) -> jax.Array:
     """x [..., V] -> [...] int32 index of the largest value along the last axis, first one on ties
     (`jnp.argmax` for finite x). Two plain reductions (max, then the lowest index holding it): XLA:CPU
@@ -249,6 +248,7 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
 
 
+@jax.jit
 def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
     """probs [B, V] (rows sum to 1), keys [B] -> [B] int32 tokens, exact (Gumbel-max on log probs).
 
