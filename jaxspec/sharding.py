@@ -6,8 +6,9 @@ their shardings here, from the logical axes of their dimensions:
 
   logical axis  dimensions                                    default mesh axis
   batch         request rows, KV cache rows                   data
-  heads         query heads (q_proj out, o_proj in)           model
-  kv_heads      key/value heads (k/v_proj out, KV cache)      model
+  heads         query heads (o_proj in)                       model
+  kv_heads      key/value heads (KV cache)                    model
+  kv_groups     kv heads with their query heads (qkv_proj)    the kv_heads axis
   mlp           MLP hidden units                              model
   vocab         embedding rows, LM head columns               model
   embed         model width                                   None (replicated); "data" = FSDP weights
@@ -71,6 +72,8 @@ class ShardingRules:
             )
 
     def mesh_axis(self, logical: str | None) -> str | None:
+        if logical == "kv_groups":  # a kv head with its query group is sharded exactly like the kv head
+            logical = "kv_heads"
         return None if logical is None else getattr(self, logical)
 
     def for_kv_heads(self, num_kv_heads: int, mesh: Mesh) -> ShardingRules:
@@ -82,10 +85,18 @@ class ShardingRules:
 
 DEFAULT_RULES = ShardingRules()
 
-# (module name, parameter name) -> logical axes of the parameter's dimensions. NNX layouts: Linear
-# kernels are [in, out]; the embedding is [vocab, embed]. Parameters not listed are replicated.
+# (module name, parameter name) -> logical axes of the parameter's dimensions. The target's
+# `Projection` weights are [*out, in] (qkv_proj [Hkv, G + 2, D, d], gate_up_proj [2, f, d]); draft
+# heads' NNX Linear kernels are [in, out]; the embedding is [vocab, embed]. Parameters not listed are
+# replicated.
 PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("embed_tokens", "embedding"): ("vocab", "embed"),
+    ("lm_head", "weight"): ("vocab", "embed"),
+    ("qkv_proj", "weight"): ("kv_groups", None, "head_dim", "embed"),
+    ("qkv_proj", "bias"): ("kv_groups", None, "head_dim"),
+    ("o_proj", "weight"): ("embed", "heads"),
+    ("gate_up_proj", "weight"): (None, "mlp", "embed"),
+    ("down_proj", "weight"): ("embed", "mlp"),
     ("lm_head", "kernel"): ("embed", "vocab"),
     ("q_proj", "kernel"): ("embed", "heads"),
     ("q_proj", "bias"): ("heads",),

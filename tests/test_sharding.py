@@ -123,29 +123,30 @@ def test_param_shardings_from_nnx_paths(model_dirs):
     assert even.mesh is mesh
     attn = even.params["layers"][0]["self_attn"]
     mlp = even.params["layers"][0]["mlp"]
-    assert spec_of(attn["q_proj"]["kernel"][...]) == P(None, "model")
-    assert spec_of(attn["k_proj"]["kernel"][...]) == P(None, "model")
-    assert spec_of(attn["o_proj"]["kernel"][...]) == P("model", None)
-    assert spec_of(mlp["gate_proj"]["kernel"][...]) == P(None, "model")
-    assert spec_of(mlp["down_proj"]["kernel"][...]) == P("model", None)
+    # Weights are [*out, in]: qkv_proj [Hkv, G + 2, D, d] is sharded over its kv-head groups.
+    assert spec_of(attn["qkv_proj"]["weight"][...]) == P("model", None, None, None)
+    assert spec_of(attn["o_proj"]["weight"][...]) == P(None, "model")
+    assert spec_of(mlp["gate_up_proj"]["weight"][...]) == P(None, "model", None)
+    assert spec_of(mlp["down_proj"]["weight"][...]) == P(None, "model")
     assert spec_of(even.params["embed_tokens"]["embedding"][...]) == P("model", None)
-    assert spec_of(even.params["lm_head"]["kernel"][...]) == P(None, "model")
+    assert spec_of(even.params["lm_head"]["weight"][...]) == P("model", None)
     assert spec_of(even.params["norm"]["weight"][...]) == P(None)
-    # Each device holds only its slice: q_proj [64, 64] over model=4 -> [64, 16] per device.
-    q = attn["q_proj"]["kernel"][...]
-    assert {s.data.shape for s in q.addressable_shards} == {(64, 16)}
-    assert per_device_bytes(q) == {q.nbytes // 4}
+    # Each device holds only its slice: qkv_proj [8 kv heads, 1 + 2, 8, 64] over model=4 -> 2 groups each.
+    qkv = attn["qkv_proj"]["weight"][...]
+    assert {s.data.shape for s in qkv.addressable_shards} == {(2, 3, 8, 64)}
+    assert per_device_bytes(qkv) == {qkv.nbytes // 4}
     # Same values as the unsharded load.
     plain = jaxspec.load(model_dirs["even"])
     np.testing.assert_array_equal(
-        np.asarray(q), np.asarray(plain.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...])
+        np.asarray(qkv), np.asarray(plain.params["layers"][0]["self_attn"]["qkv_proj"]["weight"][...])
     )
 
     fallback = jaxspec.load(model_dirs["fallback"], mesh=mesh)  # 2 kv heads, model axis 4
     attn = fallback.params["layers"][0]["self_attn"]
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        assert spec_of(attn[name]["kernel"][...]) == P(None, None), name
-    assert spec_of(fallback.params["layers"][0]["mlp"]["up_proj"]["kernel"][...]) == P(None, "model")
+    assert spec_of(attn["qkv_proj"]["weight"][...]) == P(None, None, None, None)
+    assert spec_of(attn["o_proj"]["weight"][...]) == P(None, None)
+    gate_up = fallback.params["layers"][0]["mlp"]["gate_up_proj"]["weight"][...]
+    assert spec_of(gate_up) == P(None, "model", None)
     # Unknown parameters (e.g. a draft head's own layers) are replicated, never an error.
     unknown = param_sharding(("medusa", 0, "linear", "kernel"), (64, 64), mesh, config=fallback.config)
     assert unknown.spec == P(None, None)

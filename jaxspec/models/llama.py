@@ -34,38 +34,63 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(din: int, dout: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    init = nnx.initializers.normal(0.02)
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
+class Projection(nnx.Module):
+    """A linear map whose weight is stored output-major: weight [*out_shape, in] (the PyTorch layout),
+    optional bias [*out_shape].
 
-
-def rotated_qkv(attention: nnx.Module, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """Projections of a Llama-style attention module (q_proj, k_proj, v_proj, optional q_norm / k_norm).
-
-    x [B, N, Din], cos/sin [B, N, D] -> q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D]; q and k
-    normalised per head when config.qk_norm (Qwen3), then rotated.
+    x [..., in] -> [..., *out_shape]. On XLA:CPU the weight as the dot's row-major left operand reads
+    faster at decode shapes than NNX Linear's [in, out] kernel, and several projections fused into one
+    weight (q/k/v, gate/up) make one larger product instead of several small ones.
     """
-    c = attention.config
-    b, n, _ = x.shape
-    q = attention.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
-    k = attention.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-    v = attention.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
-    if c.qk_norm:
-        q, k = attention.q_norm(q), attention.k_norm(k)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __init__(self, din: int, out_shape: tuple[int, ...], bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.out_shape = tuple(out_shape)
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (*self.out_shape, din), dtype))
+        if bias:
+            self.bias = nnx.Param(jnp.zeros(self.out_shape, dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.weight[...]
+        rows = weight.reshape(-1, weight.shape[-1])
+        y = jnp.einsum("oi,...i->...o", rows, x.astype(weight.dtype)).reshape(*x.shape[:-1], *self.out_shape)
+        if hasattr(self, "bias"):
+            y = y + self.bias[...]
+        return y
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention with q, k and v in one projection.
+
+    qkv_proj.weight is [Hkv, G + 2, D, d] (G = Hq // Hkv): for each kv head, the G query heads it serves
+    (Hugging Face order: query head h * G + g), then its key, then its value. A tensor-parallel shard over
+    kv heads therefore holds whole groups. o_proj.weight is [d, Hq * D].
+    """
+
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.q_proj = _linear(c.hidden_size, c.num_heads * c.head_dim, c.attention_bias, dtype, rngs)
-        self.k_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
-        self.v_proj = _linear(c.hidden_size, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
-        self.o_proj = _linear(c.num_heads * c.head_dim, c.hidden_size, False, dtype, rngs)
+        group = c.num_heads // c.num_kv_heads
+        self.qkv_proj = Projection(
+            c.hidden_size, (c.num_kv_heads, group + 2, c.head_dim), c.attention_bias, dtype, rngs
+        )
+        self.o_proj = Projection(c.num_heads * c.head_dim, (c.hidden_size,), False, dtype, rngs)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
+
+    def rotated_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """x [B, N, d], cos/sin [B, N, D] -> q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D]; q and k
+        normalised per head when config.qk_norm (Qwen3), then rotated."""
+        c = self.config
+        b, n, _ = x.shape
+        qkv = self.qkv_proj(x)  # [B, N, Hkv, G + 2, D]
+        group = c.num_heads // c.num_kv_heads
+        q = qkv[:, :, :, :group].reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+        k = qkv[:, :, :, group].transpose(0, 2, 1, 3)
+        v = qkv[:, :, :, group + 1].transpose(0, 2, 1, 3)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(
         self,
@@ -85,7 +110,7 @@ class Attention(nnx.Module):
         """
         c = self.config
         b, n, _ = x.shape
-        q, k, v = rotated_qkv(self, x, cos, sin)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         scale = c.head_dim**-0.5
         out, k_cache, v_cache = attention_fn(q, k_cache, v_cache, lengths, k, v, tree_mask, scale=scale)
         out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
@@ -93,14 +118,16 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """SwiGLU with gate and up in one projection: gate_up_proj.weight [2, f, d], down_proj.weight [d, f]."""
+
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(d, f, False, dtype, rngs)
-        self.up_proj = _linear(d, f, False, dtype, rngs)
-        self.down_proj = _linear(f, d, False, dtype, rngs)
+        self.gate_up_proj = Projection(d, (2, f), False, dtype, rngs)
+        self.down_proj = Projection(f, (d,), False, dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
 
 
 class DecoderLayer(nnx.Module):
@@ -131,7 +158,7 @@ class LlamaModel(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, rngs)
+            self.lm_head = Projection(config.hidden_size, (config.vocab_size,), False, dtype, rngs)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> embeddings [B, N, d]."""

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.config import ModelConfig
-from jaxspec.models.llama import MLP, RMSNorm, rotated_qkv
-from jaxspec.models.rope import inverse_frequencies, rope_cos_sin
+from jaxspec.models.llama import RMSNorm
+from jaxspec.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 _MASKED = -1e30
 
@@ -100,6 +100,20 @@ def rope_for(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.
     return rope_cos_sin(positions, inverse_frequencies(config))
 
 
+class HeadMLP(nnx.Module):
+    """SwiGLU with separate gate/up/down NNX Linear layers (kernels [in, out]), the layout head
+    checkpoints are stored in."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = head_linear(d, f, False, dtype, rngs)
+        self.up_proj = head_linear(d, f, False, dtype, rngs)
+        self.down_proj = head_linear(f, d, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class HeadAttention(nnx.Module):
     """Llama attention whose projections may read a wider input (EAGLE-3: 2d)."""
 
@@ -114,13 +128,25 @@ class HeadAttention(nnx.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
+    def rotated_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+        """x [B, N, Din], cos/sin [B, N, D] -> q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D]; q and
+        k normalised per head when config.qk_norm (Qwen3), then rotated."""
+        c = self.config
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
     def __call__(
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, inputs: AttentionInputs
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, N, Din] -> (out [B, N, d], own keys [B, Hkv, N, D], own values [B, Hkv, N, D])."""
         c = self.config
         b, n, _ = x.shape
-        q, k, v = rotated_qkv(self, x, cos, sin)
+        q, k, v = self.rotated_qkv(x, cos, sin)
         out = masked_attention(q, k, v, inputs, c.head_dim**-0.5)
         out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
         return self.o_proj(out), k, v
@@ -145,7 +171,7 @@ class HeadDecoderLayer(nnx.Module):
         attn_in = 2 * d if input_norm == "eagle3" else d
         self.self_attn = HeadAttention(config, attn_in, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs)
+        self.mlp = HeadMLP(config, dtype, rngs)
 
     def __call__(
         self,
