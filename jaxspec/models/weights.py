@@ -64,9 +64,7 @@ def _pack_qkv(config: ModelConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray) 
     return np.concatenate([q, k, v], axis=1)
 
 
-def _fused_from_hf(
-    config: ModelConfig, tensors: dict[str, np.ndarray], source: str
-) -> dict[str, np.ndarray]:
+def _fused_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
     """Replace each layer's HF q/k/v and gate/up tensors by the fused tensors under the fused names
     (`...self_attn.qkv_proj.weight`, `...mlp.gate_up_proj.weight`); errors name the HF tensor."""
     shapes = _hf_shapes(config)

@@ -12,7 +12,7 @@ Defaults (`default_policy(backend)`):
 
 - "cpu": measured on this project's development machine (2 CPU cores, float32,
   SmolLM2-135M-Instruct, n-gram drafting, greedy, the 24 dev prompts with the chat template repeated
-  to fill the batch, 128 new tokens), in one run (21 min):
+  to fill the batch, 128 new tokens), in one run (23 min, at the fused [out, in] weight layout):
 
       python scripts/bench_batch.py --prompts ../shared/prompts_dev.jsonl --max-new-tokens 128 \
           --calibrate --depths 1,2 --json docs/bench/batch_calibrate.json
@@ -21,15 +21,15 @@ Defaults (`default_policy(backend)`):
   paired ratios; mean accepted length in parentheses):
 
       batch  autoregressive tok/s  k=1           k=2           policy
-      1      22.7                  1.07x (1.32)  1.06x (1.51)  k=1
-      4      56.3                  1.02x (1.24)  0.98x (1.35)  off
-      16     62.5                  0.84x (1.24)  0.72x (1.35)  off
-      64     70.7                  0.82x (1.22)  0.62x (1.31)  off
+      1      24.4                  0.78x (1.32)  0.91x (1.51)  off
+      4      57.6                  1.02x (1.24)  0.88x (1.35)  off
+      16     58.1                  0.91x (1.24)  0.80x (1.35)  off
+      64     72.4                  0.89x (1.22)  0.71x (1.31)  off
 
-  Only batch 1 at k=1 beats autoregressive decoding by the 5% margin (the same choice as the
-  calibration before the in-place KV cache, and k=3-4 lost at every batch size), so the CPU policy
-  drafts one token at batch 1 and nothing beyond. Why so little: on this CPU the verify forward over
-  k + 1 tokens costs 1.4x (k=2) to 1.7x (k=4) a one-token step (XLA:CPU's small-row matmuls), the step
+  No draft shape beats autoregressive decoding by the 5% margin at any batch size, so the CPU policy
+  never speculates. (The calibration before the fused weight layout had k=1 at batch 1 at 1.07x; the
+  faster one-token step took that margin away.) Why so little: on this CPU the verify forward over
+  k + 1 tokens costs 1.3x (k=2) to 1.8x (k=4) a one-token step (XLA:CPU's small-row matmuls), the step
   is compute bound from batch 16 on, and n-gram drafts of these chat answers are accepted rarely
   (1.2-1.5 tokens per forward).
 - "gpu" / "tpu": NOT measured here (no accelerator was available): a prior, k=4 up to 4 rows, k=2
@@ -124,9 +124,7 @@ class SpeculationPolicy:
         return cls(tuple(sorted(parsed, key=lambda r: r.max_batch)))
 
 
-CPU_POLICY = SpeculationPolicy(
-    rules=(PolicyRule(max_batch=1, num_speculative_tokens=1),)
-)  # measured (module docstring)
+CPU_POLICY = SpeculationPolicy(rules=())  # measured: speculation off at every batch size (module docstring)
 ACCELERATOR_PRIOR = SpeculationPolicy(
     rules=(
         PolicyRule(max_batch=4, num_speculative_tokens=4),
