@@ -34,6 +34,15 @@ class RMSNorm(nnx.Module):
         return (xf * self.weight[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def rows_times(weight: jax.Array, x: jax.Array) -> jax.Array:
+    """weight [O, I] (output-major rows), x [..., I] -> [..., O] in weight's dtype.
+
+    The weight is the dot's row-major left operand: XLA:CPU reads it faster at decode shapes than
+    x @ weight.T (~20% on the tied LM head, and on the layer projections below).
+    """
+    return jnp.einsum("oi,...i->...o", weight, x.astype(weight.dtype))
+
+
 class Projection(nnx.Module):
     """A linear map whose weight is stored output-major: weight [*out_shape, in] (the PyTorch layout),
     optional bias [*out_shape].
@@ -51,8 +60,7 @@ class Projection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.weight[...]
-        rows = weight.reshape(-1, weight.shape[-1])
-        y = jnp.einsum("oi,...i->...o", rows, x.astype(weight.dtype)).reshape(*x.shape[:-1], *self.out_shape)
+        y = rows_times(weight.reshape(-1, weight.shape[-1]), x).reshape(*x.shape[:-1], *self.out_shape)
         if hasattr(self, "bias"):
             y = y + self.bias[...]
         return y
@@ -167,10 +175,7 @@ class LlamaModel(nnx.Module):
     def lm_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., d] (after the final norm) -> float32 logits [..., V]."""
         if self.config.tie_word_embeddings:
-            # embedding [V, d] as the dot's left operand: a plain row-major matrix-vector product. As
-            # `attend` (hidden @ embedding.T) XLA:CPU read it ~20% slower at decode shapes.
-            embedding = self.embed_tokens.embedding[...]
-            logits = jnp.einsum("vd,...d->...v", embedding, hidden.astype(embedding.dtype))
+            logits = rows_times(self.embed_tokens.embedding[...], hidden)  # embedding [V, d]
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)

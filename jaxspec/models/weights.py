@@ -18,39 +18,22 @@ from flax import nnx
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ModelLoadError
+from jaxspec.loading.hf_dir import hf_tensor_shapes
 from jaxspec.models.llama import LlamaModel
 
-# Hugging Face linear weights that land inside a fused projection: (module, HF projection) -> slot.
-_QKV_PARTS = ("q_proj", "k_proj", "v_proj")
-_GATE_UP_PARTS = ("gate_proj", "up_proj")
-
-
-def _hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Expected shapes of one decoder layer's HF projection tensors (suffix after 'layers.i.')."""
-    c = config
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    d, f = c.hidden_size, c.intermediate_size
-    return {
-        "self_attn.q_proj.weight": (q_out, d), "self_attn.k_proj.weight": (kv_out, d),
-        "self_attn.v_proj.weight": (kv_out, d), "self_attn.q_proj.bias": (q_out,),
-        "self_attn.k_proj.bias": (kv_out,), "self_attn.v_proj.bias": (kv_out,),
-        "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-    }  # fmt: skip
+# Fused parameter (module name) -> the Hugging Face projections packed into it, in packing order.
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_OF = {part: fused for fused, parts in _FUSED_PARTS.items() for part in parts}
 
 
 def _hf_name_to_path(name: str) -> tuple:
-    """HF tensor name -> NNX param path (fused parts map to their fused parameter's path)."""
+    """HF tensor name (fused projections already renamed, see `_fused_from_hf`) -> NNX param path."""
     parts = name.split(".")
     if parts[0] == "model":
         parts = parts[1:]
     if parts == ["embed_tokens", "weight"]:
         return ("embed_tokens", "embedding")
-    path = [int(part) if part.isdigit() else part for part in parts]
-    if len(path) >= 2 and path[-2] in _QKV_PARTS:
-        path[-2] = "qkv_proj"
-    elif len(path) >= 2 and path[-2] in _GATE_UP_PARTS:
-        path[-2] = "gate_up_proj"
-    return tuple(path)
+    return tuple(int(part) if part.isdigit() else part for part in parts)
 
 
 def _pack_qkv(config: ModelConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -67,32 +50,30 @@ def _pack_qkv(config: ModelConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray) 
 def _fused_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
     """Replace each layer's HF q/k/v and gate/up tensors by the fused tensors under the fused names
     (`...self_attn.qkv_proj.weight`, `...mlp.gate_up_proj.weight`); errors name the HF tensor."""
-    shapes = _hf_shapes(config)
+    shapes = hf_tensor_shapes(config)
     out: dict[str, np.ndarray] = {}
-    groups: dict[str, dict[str, np.ndarray]] = {}
+    groups: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (fused name, fused module) -> parts
     for name, array in tensors.items():
         parts = name.split(".")
-        proj = parts[-2] if len(parts) >= 2 else ""
-        if proj not in _QKV_PARTS + _GATE_UP_PARTS:
+        fused_module = _FUSED_OF.get(parts[-2]) if len(parts) >= 2 else None
+        if fused_module is None:
             out[name] = array
             continue
-        suffix = ".".join(parts[-3:])
-        want = shapes.get(suffix)
         value = np.asarray(array)
+        want = shapes.get(name if name.startswith("model.") else f"model.{name}")
         if want is not None and value.shape != want:
             raise ModelLoadError(f"{source}: tensor {name!r} has shape {value.shape}, expected {want}")
-        fused = ".".join(parts[:-2] + ["qkv_proj" if proj in _QKV_PARTS else "gate_up_proj", parts[-1]])
-        groups.setdefault(fused, {})[proj] = value
-    for fused, parts in groups.items():
-        wanted = _QKV_PARTS if ".qkv_proj." in fused else _GATE_UP_PARTS
-        absent = [p for p in wanted if p not in parts]
+        fused = ".".join([*parts[:-2], fused_module, parts[-1]])
+        groups.setdefault((fused, fused_module), {})[parts[-2]] = value
+    for (fused, fused_module), found in groups.items():
+        wanted = _FUSED_PARTS[fused_module]
+        absent = [fused.replace(fused_module, part) for part in wanted if part not in found]
         if absent:
-            names = [fused.replace("qkv_proj" if p in _QKV_PARTS else "gate_up_proj", p) for p in absent]
-            raise ModelLoadError(f"{source}: missing tensors {names} (needed with {sorted(parts)})")
-        if wanted == _QKV_PARTS:
-            out[fused] = _pack_qkv(config, *(parts[p] for p in _QKV_PARTS))
+            raise ModelLoadError(f"{source}: missing tensors {absent} (needed with {sorted(found)})")
+        if fused_module == "qkv_proj":
+            out[fused] = _pack_qkv(config, *(found[part] for part in wanted))
         else:
-            out[fused] = np.stack([parts["gate_proj"], parts["up_proj"]])
+            out[fused] = np.stack([found[part] for part in wanted])
     return out
 
 
