@@ -91,6 +91,53 @@ def median_call_time(step: Callable[[Any], Any], carry: Any, iters: int) -> floa
     return float(np.median(times))
 
 
+def step_loop(step: Callable[..., Any], iters: int) -> Callable[[Any, tuple, jax.Array], Any]:
+    """jit((carry, inputs, zero) -> carry after `iters` steps `carry = step(carry, *inputs)` in one
+    `lax.fori_loop`), carry donated; `zero` must be a runtime int32 0.
+
+    Every integer leaf of `inputs` (tokens, lengths, tree structure, prompt history) reaches the step as
+    `leaf + zero * i` (i the loop counter): the same values, but XLA cannot prove them loop-invariant,
+    so it cannot hoist work that does not depend on the carry (a drafter without state, the first
+    layer's projections of fixed tokens) out of the loop. (An optimization barrier does not stop that on
+    XLA:CPU.) Float leaves (weights) stay invariant, as they are in the compiled generate loop.
+    """
+
+    def run(carry, inputs, zero):
+        def body(i, c):
+            offset = zero * i
+            fresh = jax.tree.map(
+                lambda x: x + offset.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x, inputs
+            )
+            return step(c, *fresh)
+
+        return jax.lax.fori_loop(0, iters, body, carry)
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def median_loop_step_time(
+    step: Callable[..., Any], carry: Any, inputs: tuple = (), *, iters: int, repeats: int = 5
+) -> float:
+    """Median seconds per step when `iters` steps `carry = step(carry, *inputs)` run inside one
+    compiled `lax.fori_loop` (timed `repeats` times after a compiling run).
+
+    This is what a step costs inside the compiled generate loop. Timing separate jitted calls adds the
+    host's dispatch cost to every call (~10 ms per call for these steps on a 2-core CPU), which inflates
+    small steps more than large ones and so biases v = verify / decode towards 1. `step_loop` keeps XLA
+    from hoisting loop-invariant parts of a step out of the loop.
+    """
+
+    loop = step_loop(step, iters)
+    zero = jnp.zeros((), jnp.int32)
+    carry = jax.block_until_ready(loop(carry, inputs, zero))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        carry = jax.block_until_ready(loop(carry, inputs, zero))
+        times.append((time.perf_counter() - start) / iters)
+    return float(np.median(times))
+
+
 @functools.partial(jax.jit, static_argnames=("drafter",), donate_argnames=("state",))
 def _propose(drafter, draft_params, params, state, ctx: RoundContext):
     """One draft round -> (tree, drafter state)."""
@@ -185,10 +232,13 @@ def measure_step_costs(
     prefill_s = median_call_time(lambda _: fresh_prefill().first_token, None, max(iters // 3, 1))
     pre = fresh_prefill()
     token = pre.first_token
-    decode_s = median_call_time(
-        lambda cache: _decode(graphdef, params, cache, token, requests, attention=spec.attention)[0],
+    decode_s = median_loop_step_time(
+        lambda cache, params, token, requests: _decode(
+            graphdef, params, cache, token, requests, attention=spec.attention
+        )[0],
         fresh_prefill().cache,
-        iters,
+        (params, token, requests),
+        iters=iters,
     )
     if not speculative:
         return StepCosts(prefill_s=prefill_s, decode_s=decode_s, verify_s=decode_s, draft_s=0.0,
@@ -196,16 +246,20 @@ def measure_step_costs(
     ctx = round_context(requests, pre, len(prompt_ids), capacity)
     state = jax.jit(drafter.init, static_argnums=4)(draft_params, params, pre, requests, max_len)
     tree, state = _propose(drafter, draft_params, params, state, ctx)
-    draft_s = median_call_time(
-        lambda carry: _propose(drafter, draft_params, params, carry[1], ctx), (tree, state), iters
+    draft_s = median_loop_step_time(
+        lambda carry, draft_params, params, ctx: _propose(drafter, draft_params, params, carry[1], ctx),
+        (jax.tree.map(jnp.copy, tree), state),  # the loop donates its carry; `tree` is verified below
+        (draft_params, params, ctx),
+        iters=iters,
     )
-    verify_s = median_call_time(
-        lambda cache: _verify(
+    verify_s = median_loop_step_time(
+        lambda cache, params, tree, requests: _verify(
             graphdef, params, cache, tree, requests, spec=spec, max_depth=drafter.max_depth,
             capture_layers=layers,
         )[0],
         fresh_prefill().cache,
-        iters,
+        (params, tree, requests),
+        iters=iters,
     )  # fmt: skip
     return StepCosts(
         prefill_s=prefill_s, decode_s=decode_s, verify_s=verify_s, draft_s=draft_s, num_nodes=nodes,
