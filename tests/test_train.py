@@ -88,6 +88,17 @@ def test_jsonl_torn_last_line_is_cut_and_rows_kept(tmp_path):
         read_jsonl_rows(path)
 
 
+def test_feature_store_opens_under_a_relative_path_with_dotdot(tmp_path, monkeypatch):
+    from jaxspec.train.features import FeatureStore
+
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # as `jaxspec train --workdir ../runs` from a checkout
+    created = FeatureStore.open_or_create("../runs/fs", max_len=8, hidden_size=4, capture_layers=())
+    assert created.num_sequences == 0
+    assert FeatureStore.open("../runs/fs").num_sequences == 0
+    assert (tmp_path / "runs" / "fs" / "tokens").is_dir()
+
+
 def test_feature_store_resumes_and_ignores_uncommitted_rows(tiny_model, rows, store, tmp_path):
     from jaxspec.train.features import FeatureStore, write_features
 

@@ -88,7 +88,8 @@ def pack_sequences(rows: Sequence[dict], max_len: int) -> dict[str, np.ndarray]:
 
 
 def _spec(path: Path, name: str, dtype: str, shape: tuple[int, ...], create: bool) -> dict:
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / name)}}
+    # tensorstore's file driver rejects relative paths with ".." (e.g. --workdir ../runs): resolve first.
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str((path / name).resolve())}}
     if create:
         spec["metadata"] = {
             "shape": list(shape), "data_type": dtype,
