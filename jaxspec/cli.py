@@ -17,16 +17,34 @@ DEMO_PROMPTS = (
 
 
 def _spec_from_args(args: argparse.Namespace):
-    from jaxspec.config import SpecConfig
+    """SpecConfig from --spec / --head / --num-speculative-tokens / --topk (None: autoregressive).
 
-    if args.spec is None:
+    A head method (medusa, eagle, eagle3, mtp) without --head uses the head shipped for --model in
+    configs/heads/; with neither it is an error (a random head would accept nothing)."""
+    from jaxspec.config import SpecConfig
+    from jaxspec.errors import InputError
+    from jaxspec.models.heads.shipped import HEAD_METHODS, SHIPPED_HEADS_DIR, shipped_head
+
+    if args.spec is None or args.spec.strip().lower() in ("none", "off", "ar"):
         return None
     if args.spec.strip().startswith("{"):
         return SpecConfig.from_dict(json.loads(args.spec))
-    return SpecConfig(method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk)
+    head = args.head
+    if args.spec in HEAD_METHODS and head is None:
+        head = shipped_head(args.model, args.spec)
+        if head is None:
+            raise InputError(
+                f"--spec {args.spec}: no trained head for model {args.model!r} in "
+                f"{SHIPPED_HEADS_DIR / args.model / args.spec}; pass --head DIR (see `jaxspec train`)"
+            )
+    return SpecConfig(
+        method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head
+    )
 
 
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
+def _add_generation_args(
+    p: argparse.ArgumentParser, *, spec_default_help: str = "none", default_draft_length: int = 4
+) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF directory")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -34,11 +52,22 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--spec", default=None, help="method name (ngram, draft_model, eagle3, ...) or a JSON dict"
+        "--spec",
+        help="method name (ngram, draft_model, eagle3, ...), a JSON dict, or none (autoregressive); "
+        f"default: {spec_default_help}",
     )
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--head", help="draft head directory (default: the head shipped for --model)")
+    p.add_argument("--num-speculative-tokens", type=int, default=default_draft_length)
     p.add_argument("--topk", type=int, default=1, help="branches per node (tree drafting)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+
+
+def _demo_default_spec(model: str) -> str | None:
+    """EAGLE-3 when a head is shipped for `model` (the best shipped head on the dev prompts: README,
+    "Shipped draft heads"; a chain of 3, the depth it was trained for), else autoregressive."""
+    from jaxspec.models.heads.shipped import shipped_head
+
+    return "eagle3" if shipped_head(model, "eagle3") is not None else None
 
 
 def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
@@ -47,6 +76,11 @@ def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
     model = jaxspec.load(args.model)
     sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     spec = _spec_from_args(args)
+    if spec is None:
+        print("decoding: autoregressive\n")
+    else:
+        shape = f"chain of {spec.num_speculative_tokens}" if spec.topk == 1 else f"tree (top-{spec.topk})"
+        print(f"decoding: speculative, {spec.method}{f' head {spec.head}' if spec.head else ''}, {shape}\n")
     if args.no_chat or model.tokenizer is None or model.tokenizer.chat_template is None:
         inputs = prompts
     else:
@@ -95,8 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--input", help="JSONL requests (batch job); see scripts/generate.py")
     gen.add_argument("--output", help="JSONL results (batch job)")
-    demo = sub.add_parser("demo", help="run the default model on a few built-in prompts")
-    _add_generation_args(demo)
+    demo = sub.add_parser(
+        "demo", help="run the default model on a few built-in prompts, drafting with its best shipped head"
+    )
+    _add_generation_args(
+        demo, spec_default_help="eagle3 with the model's shipped head if it has one", default_draft_length=3
+    )
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "generate" and args.input:
@@ -114,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("generate needs --prompt TEXT or --input FILE")
             _run_prompts(args, args.prompt)
         elif args.command == "demo":
+            if args.spec is None:
+                args.spec = _demo_default_spec(args.model)
             _run_prompts(args, list(DEMO_PROMPTS))
     except Exception as exc:
         from jaxspec.errors import JaxspecError

@@ -118,11 +118,13 @@ def _environment(peer: bool) -> str:
 
 def _default_heads(model: str, given: dict[str, str]) -> dict[str, str]:
     """--heads, completed with the heads shipped in configs/heads/MODEL/METHOD (if run from the repo)."""
+    from jaxspec.models.heads.shipped import HEAD_METHODS, shipped_head
+
     heads = dict(given)
-    for method in ("medusa", "eagle", "eagle3", "mtp"):
-        shipped = Path("configs") / "heads" / model / method
-        if method not in heads and (shipped / "jaxspec_head.json").is_file():
-            heads[method] = str(shipped)
+    for method in HEAD_METHODS:
+        shipped = shipped_head(model, method)
+        if method not in heads and shipped is not None:
+            heads[method] = shipped
     return heads
 
 
