@@ -58,7 +58,7 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
     p.add_argument("--batch-sizes", type=_ints, default=_ints(batches))
     p.add_argument("--max-new-tokens", type=int, default=new)
     p.add_argument("--repeats", type=int, default=reps)
-    p.add_argument("--step-iters", type=int, default=10, help="timed calls per separately jitted step")
+    p.add_argument("--step-iters", type=int, default=10, help="steps per timed compiled loop")
     p.add_argument("--out-dir", default=None, help="write bench.md, bench.json and PNG plots here")
     p.add_argument(
         "--compile-cache", default=None,

@@ -121,7 +121,8 @@ def markdown(raw: dict[str, Any], summary: dict[str, Any], command: str | None =
     if summary["by_category"]:
         lines += ["## By prompt category (batch size 1): tokens/s (speedup, τ)", ""]
         lines += category_table(summary["by_category"]) + [""]
-    lines += ["## Step costs (separately jitted, batch 1)", ""] + cost_table(raw["variants"]) + [""]
+    lines += ["## Step costs (each step timed alone inside a compiled loop, batch 1)", ""]
+    lines += cost_table(raw["variants"]) + [""]
     headline = summary.get("headline", {})
     if "jaxspec_ar_over_transformers_ar" in headline:
         ratio = headline["jaxspec_ar_over_transformers_ar"]

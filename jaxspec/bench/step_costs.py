@@ -121,10 +121,11 @@ def median_loop_step_time(
     """Median seconds per step when `iters` steps `carry = step(carry, *inputs)` run inside one
     compiled `lax.fori_loop` (timed `repeats` times after a compiling run).
 
-    This is what a step costs inside the compiled generate loop. Timing separate jitted calls adds the
-    host's dispatch cost to every call (~10 ms per call for these steps on a 2-core CPU), which inflates
-    small steps more than large ones and so biases v = verify / decode towards 1. `step_loop` keeps XLA
-    from hoisting loop-invariant parts of a step out of the loop.
+    This is what a step costs inside the compiled generate loop. Everything the step computes must reach
+    its returned carry: XLA removes work whose result leaves the loop nowhere. Timing separate jitted
+    calls instead adds the host's dispatch cost to every call (~10 ms per call for these steps on a
+    2-core CPU), which inflates small steps more than large ones and so biases v = verify / decode
+    towards 1. `step_loop` keeps XLA from hoisting loop-invariant parts of a step out of the loop.
     """
 
     loop = step_loop(step, iters)
@@ -232,11 +233,13 @@ def measure_step_costs(
     prefill_s = median_call_time(lambda _: fresh_prefill().first_token, None, max(iters // 3, 1))
     pre = fresh_prefill()
     token = pre.first_token
+    # Steps carry their sampled/verified token as well as the cache: an output that leaves the loop
+    # nowhere would be dead code to XLA (the LM head, sampling and verification would not be timed).
     decode_s = median_loop_step_time(
-        lambda cache, params, token, requests: _decode(
-            graphdef, params, cache, token, requests, attention=spec.attention
-        )[0],
-        fresh_prefill().cache,
+        lambda carry, params, token, requests: _decode(
+            graphdef, params, carry[0], token, requests, attention=spec.attention
+        ),
+        _decode(graphdef, params, fresh_prefill().cache, token, requests, attention=spec.attention),
         (params, token, requests),
         iters=iters,
     )
@@ -252,15 +255,15 @@ def measure_step_costs(
         (draft_params, params, ctx),
         iters=iters,
     )
+    verify = functools.partial(
+        _verify, graphdef, spec=spec, max_depth=drafter.max_depth, capture_layers=layers
+    )
     verify_s = median_loop_step_time(
-        lambda cache, params, tree, requests: _verify(
-            graphdef, params, cache, tree, requests, spec=spec, max_depth=drafter.max_depth,
-            capture_layers=layers,
-        )[0],
-        fresh_prefill().cache,
+        lambda carry, params, tree, requests: verify(params, carry[0], tree, requests),
+        verify(params, fresh_prefill().cache, tree, requests),
         (params, tree, requests),
         iters=iters,
-    )  # fmt: skip
+    )
     return StepCosts(
         prefill_s=prefill_s, decode_s=decode_s, verify_s=verify_s, draft_s=draft_s, num_nodes=nodes,
         gamma=depth,
