@@ -85,8 +85,10 @@ def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
         inputs = prompts
     else:
         inputs = [model.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
-    # The first call compiles; time a second identical call for the steady-state figure.
-    jaxspec.generate(model, inputs[:1], max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec)
+    # A prompt's first call compiles for its length bucket; time a second identical call for the
+    # steady-state figure.
+    for inp in inputs:
+        jaxspec.generate(model, [inp], max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec)
     for prompt, inp in zip(prompts, inputs, strict=True):
         start = time.perf_counter()
         (c,) = jaxspec.generate(
