@@ -59,6 +59,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
 
 
+def _as_tuples(value: Any) -> Any:
+    """JSON lists (nested) -> tuples, so that a value read back from JSON is hashable again."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How speculation runs. `method=None` means plain autoregressive decoding.
@@ -89,7 +94,8 @@ class SpecConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpecConfig:
-        """Accept vLLM-style dicts: {"method": "ngram", "num_speculative_tokens": 5, ...}."""
+        """Accept vLLM-style dicts: {"method": "ngram", "num_speculative_tokens": 5, ...}, and the
+        JSON form of `dataclasses.asdict(spec)` (lists back to the tuples a hashable config holds)."""
         aliases = {
             "prompt_lookup_min": "ngram_min",
             "prompt_lookup_max": "ngram_max",
@@ -104,6 +110,9 @@ class SpecConfig:
                 raise ValueError(f"SpecConfig: unknown field {key!r} (known: {sorted(known)})")
             if name == "tree_choices" and value is not None:
                 value = tuple(tuple(int(i) for i in path) for path in value)
+            if name == "extra":  # a mapping, or (key, value) pairs as `dataclasses.asdict` + JSON give
+                pairs = value.items() if isinstance(value, dict) else value
+                value = tuple((str(key), _as_tuples(item)) for key, item in pairs)
             kwargs[name] = value
         return cls(**kwargs)
 

@@ -15,12 +15,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
-
-
-def _tuples(value: Any) -> Any:
-    """JSON lists back to the tuples a frozen SpecConfig holds."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in raw["variants"]:
         if variant["engine"] != "jaxspec":
             continue
-        spec = variant["spec"] and SpecConfig(**{k: _tuples(v) for k, v in variant["spec"].items()})
+        spec = variant["spec"] and SpecConfig.from_dict(variant["spec"])
         costs = measure_step_costs(
             model, spec, prompt, max_new_tokens=settings["max_new_tokens"], sampling_params=sampling,
             iters=args.step_iters,

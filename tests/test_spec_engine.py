@@ -149,3 +149,18 @@ def test_pallas_attention_equals_reference_end_to_end(tiny):
     )
     pallas = jaxspec.generate(tiny, PROMPTS[:2], max_new_tokens=16, spec={**base, "attention": "pallas"})
     assert [c.token_ids for c in pallas] == [c.token_ids for c in reference]
+
+
+def test_spec_config_round_trips_through_json_as_a_hashable_config():
+    import dataclasses
+    import json
+
+    spec = jaxspec.SpecConfig(
+        method="medusa", num_speculative_tokens=3, tree_choices=((0,), (0, 1)),
+        extra=(("tree_preset", "medusa_63"), ("eagle3_layers", (1, 2))),
+    )  # fmt: skip
+    again = jaxspec.SpecConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(spec))))
+    assert again == spec and hash(again) == hash(spec)
+    assert jaxspec.SpecConfig.from_dict({"method": "mtp", "extra": {"mtp_num_modules": 2}}).extra == (
+        ("mtp_num_modules", 2),
+    )
