@@ -183,6 +183,42 @@ def test_online_features_give_the_offline_loss(tiny_model, rows, store, tmp_path
     np.testing.assert_allclose(offline.metrics[-1]["loss"], online.metrics[-1]["loss"], rtol=1e-4)
 
 
+def test_eagle3_loss_at_sampled_positions_estimates_the_all_position_loss(tiny_model, store):
+    """EAGLE-3's loss at num_positions sampled pairs per row: the mean over keys is the all-pairs loss
+    (rows of equal length, so each sampled pair is uniform over the same count), and a sample of every
+    pair is the all-pairs loss exactly."""
+    import jax.numpy as jnp
+
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective
+    from jaxspec.train.trainer import split_trainable
+
+    config = head_config_for(
+        "eagle3", tiny_model.config, depth=2, draft_vocab_size=128, eagle3_layers=(0, 1, 1)
+    )
+    head = new_head(config, seed=0, draft_ids=np.arange(0, 256, 2))
+    trainable, head_fixed = split_trainable(head.params)
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+    assert (
+        len(set(np.asarray(batch["lengths"]).tolist())) == 1
+        and len(set(np.asarray(batch["starts"]).tolist())) == 1
+    )
+
+    def loss_fn(num_positions):
+        objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config,
+                              depth=2, num_positions=num_positions)  # fmt: skip
+        return jax.jit(lambda key: objective({"head": trainable}, fixed, batch, key)[1]["depth_loss"])
+
+    all_pairs = np.asarray(loss_fn(32)(jax.random.key(0)))
+    np.testing.assert_allclose(np.asarray(loss_fn(32)(jax.random.key(7))), all_pairs, rtol=1e-6)
+    sampled_fn = loss_fn(4)
+    samples = np.stack([np.asarray(sampled_fn(jax.random.key(i))) for i in range(200)])  # [200, depth]
+    assert samples.std(0).min() > 0  # the positions do vary with the key
+    error = np.abs(samples.mean(0) - all_pairs)
+    assert np.all(error < 4 * samples.std(0) / np.sqrt(len(samples))), (samples.mean(0), all_pairs)
+
+
 def _cli(workdir: Path, tiny: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "jaxspec.cli", "train", "--method", "medusa", "--model", str(tiny),

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 STAGES = ("distill", "features", "train", "export")
+DEFAULT_NUM_POSITIONS = 32
+MIN_RESPONSE_TOKENS = 48  # a derived prompt must leave this many of --max-len for its response
 
 
 def add_parser(subparsers) -> None:
@@ -31,6 +33,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompts", help="JSONL of {id, prompt} (default: jaxspec's own training prompt set)")
     p.add_argument("--exclude", help="JSONL whose prompts must not be trained on (e.g. a dev set)")
     p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument(
+        "--derived-prompts", type=int, default=0,
+        help="after the first round, distill up to N prompts built from its answers (passages, code)",
+    )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=16, help="distillation batch size")
     p.add_argument("--max-len", type=int, default=256, help="prompt + response tokens kept per sequence")
@@ -38,7 +44,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--feature-mode", choices=("offline", "online"), default="offline")
     p.add_argument("--window", type=int, default=None, help="train on random windows of this many tokens")
     p.add_argument("--depth", type=int, default=4, help="Medusa heads / EAGLE-3 TTT steps / MTP depths")
-    p.add_argument("--num-positions", type=int, default=32, help="loss positions per sequence (full vocab)")
+    p.add_argument(
+        "--num-positions", type=int, default=None,
+        help="loss positions per sequence (default: 32; EAGLE-3 all, its draft vocabulary is small)",
+    )  # fmt: skip
     p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
     p.add_argument("--medusa-layers", type=int, default=1)
     p.add_argument("--mtp-modules", type=int, default=1)
@@ -73,6 +82,36 @@ def _prompt_rows(args: argparse.Namespace) -> list[dict]:
     return rows[: args.num_prompts]
 
 
+def _num_positions(args: argparse.Namespace) -> int:
+    if args.num_positions is not None:
+        return args.num_positions
+    return args.max_len if args.method == "eagle3" else DEFAULT_NUM_POSITIONS
+
+
+def _derived_rows(args: argparse.Namespace, model) -> list[dict]:
+    """The first --derived-prompts prompts derived from the first round's answers whose chat-rendered
+    prompt leaves at least MIN_RESPONSE_TOKENS of --max-len for the response."""
+    from jaxspec.train.derived_prompts import derived_prompts
+    from jaxspec.train.distill import chat_prompt_ids, read_jsonl_rows
+    from jaxspec.train.prompts import load_prompt_texts
+
+    rows = read_jsonl_rows(Path(args.workdir) / "distill.jsonl")
+    first_round = [r for r in rows if not r.get("category", "").startswith("derived_")]
+    answers = [
+        {"id": r["id"], "category": r.get("category", ""), "text": model.tokenizer.decode(r["response_ids"])}
+        for r in first_round
+    ]
+    exclude = load_prompt_texts(args.exclude) if args.exclude else []
+    rows = []
+    for row in derived_prompts(answers, exclude=exclude):
+        ids = chat_prompt_ids(model, row["prompt"])
+        if len(ids) + MIN_RESPONSE_TOKENS <= args.max_len:
+            rows.append(dict(row, prompt_ids=ids))
+        if len(rows) >= args.derived_prompts:
+            break
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -97,6 +136,12 @@ def run(args: argparse.Namespace) -> int:
             model, _prompt_rows(args), workdir / "distill.jsonl", max_new_tokens=args.max_new_tokens,
             batch_size=args.gen_batch, seed=args.seed, progress=progress,
         )  # fmt: skip
+        if args.derived_prompts > 0:
+            distill(
+                model, _derived_rows(args, model), workdir / "distill.jsonl",
+                max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, seed=args.seed,
+                progress=progress,
+            )  # fmt: skip
         timings["distill_s"] = time.perf_counter() - start
     rows = read_jsonl_rows(workdir / "distill.jsonl")
     if not rows:
@@ -144,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         objective = Objective(
             head.graphdef, config, model.graphdef, model.config,
             depth=1 if args.method == "eagle" else args.depth,
-            num_positions=args.num_positions, backbone_weight=args.backbone_weight,
+            num_positions=_num_positions(args), backbone_weight=args.backbone_weight,
         )  # fmt: skip
         train_config = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=args.warmup,

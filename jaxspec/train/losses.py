@@ -21,7 +21,8 @@ EAGLE-3: the argmax within the draft vocabulary).
   MTP       module s at position i reads (t_(i+s+1), h_i^s) and predicts t_(i+s+2); CE per depth; with
             `backbone_weight` > 0 the target is trained too: main next-token CE + lambda x MTP loss.
 The target's LM head over the full vocabulary dominates the cost on a CPU, so the Medusa, EAGLE-1 and
-MTP cross entropies are taken at `num_positions` positions per sequence drawn from the valid ones.
+MTP cross entropies are taken at `num_positions` positions per sequence drawn from the valid ones; so are
+EAGLE-3's (per TTT step; its head still runs every position, since later steps read them).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def smooth_l1(pred: jax.Array, target: jax.Array) -> jax.Array:
 class Objective:
     """A head's training loss; static to `jax.jit` (graphdefs and configs only, no arrays).
 
-    num_positions: positions per sequence for the full-vocabulary cross entropies.
+    num_positions: loss positions per sequence (all valid ones when >= the sequence length).
     depth: draft depths trained (Medusa: its heads; EAGLE-3: TTT steps; MTP: chained modules).
     noise: EAGLE-1 uniform feature noise width (U(-noise/2, noise/2)).
     backbone_weight: MTP only, > 0 trains the target too: main CE + backbone_weight x MTP loss.
@@ -156,7 +157,7 @@ class Objective:
         if isinstance(config, EagleConfig):
             return self._eagle(head_params, batch, key, target_lm, target_embed)
         if isinstance(config, Eagle3Config):
-            return self._eagle3(head_params, batch, target_lm, target_embed)
+            return self._eagle3(head_params, batch, key, target_lm, target_embed)
         if isinstance(config, MtpConfig):
             return self._mtp(head_params, batch, key, target_lm, target_embed)
         raise TypeError(f"Objective: unknown head config {config!r}")
@@ -198,21 +199,25 @@ class Objective:
         loss = EAGLE_VALUE_WEIGHT * value_loss + EAGLE_PROB_WEIGHT * prob_loss
         return loss, {"depth_loss": prob_loss[None], "depth_acc": acc[None], "value_loss": value_loss}
 
-    def _eagle3(self, params, batch, target_lm, target_embed):
+    def _eagle3(self, params, batch, key, target_lm, target_embed):
         head = nnx.merge(self.head_graphdef, params)
         tokens = batch["tokens"]
         b, n = tokens.shape[0], tokens.shape[1] - 1
         layer = self.head_config.layer
         draft_ids = head.target_ids()  # [Vd]
-        # Target distribution renormalised over the draft vocabulary, at positions 1..L-1.
-        if self.target_config.tie_word_embeddings:  # only the draft vocabulary's rows of the LM head
-            rows = target_embed(draft_ids).astype(jnp.float32)
-            target_logits = jnp.einsum("bnd,vd->bnv", batch["hidden"][:, 1:].astype(jnp.float32), rows)
-        else:
-            target_logits = jnp.take(target_lm(batch["hidden"][:, 1:]), draft_ids, axis=-1)
-        target_logits = jax.lax.stop_gradient(target_logits)  # [B, n, Vd]
-        target_top1 = draft_ids[jnp.argmax(target_logits, -1)]
-        target_probs = jax.nn.softmax(target_logits, -1)
+        tied = self.target_config.tie_word_embeddings
+        rows = target_embed(draft_ids).astype(jnp.float32) if tied else None
+
+        def target_draft_logits(h: jax.Array) -> jax.Array:
+            """Target hidden [B, P, d] -> its logits over the draft vocabulary [B, P, Vd] (the LM head's
+            draft rows only when tied), gradient stopped."""
+            if tied:
+                logits = jnp.einsum("bpd,vd->bpv", h.astype(jnp.float32), rows)
+            else:
+                logits = jnp.take(target_lm(h), draft_ids, axis=-1)
+            return jax.lax.stop_gradient(logits)
+
+        target_hidden = batch["hidden"][:, 1:]  # pair i's depth-1 target is the distribution at i + 1
         hidden = head.project_target_features(batch["layers"][:, :n])
         eye = jnp.eye(n, dtype=bool)
         keys, values, visible = [], [], []
@@ -235,10 +240,14 @@ class Objective:
             keys.append(k)
             values.append(v)
             visible.append(causal_visible(n) if s == 0 else eye)
-            weight = label_mask(batch, 2 + s, n).astype(jnp.float32)
-            logits = head.draft_logits(out)  # [B, n, Vd]
-            losses.append(masked_mean(soft_ce(logits, shifted(target_probs, s, n)), weight))
-            agree = draft_ids[jnp.argmax(logits, -1)] == shifted(target_top1, s, n)
+            # The loss at num_positions of the valid pairs (all of them when num_positions >= n).
+            idx, weight = sample_positions(
+                jax.random.fold_in(key, s), label_mask(batch, 2 + s, n), self.num_positions
+            )
+            target_logits = target_draft_logits(take(shifted(target_hidden, s, n), idx))  # [B, P, Vd]
+            logits = head.draft_logits(take(out, idx))  # [B, P, Vd]
+            losses.append(masked_mean(soft_ce(logits, jax.nn.softmax(target_logits, -1)), weight))
+            agree = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
             accs.append(masked_mean(agree.astype(jnp.float32), weight))
             hidden = out
         depth_loss = jnp.stack(losses)
