@@ -88,18 +88,18 @@ def _num_positions(args: argparse.Namespace) -> int:
     return args.max_len if args.method == "eagle3" else DEFAULT_NUM_POSITIONS
 
 
-def _derived_rows(args: argparse.Namespace, model) -> list[dict]:
-    """The first --derived-prompts prompts derived from the first round's answers whose chat-rendered
-    prompt leaves at least MIN_RESPONSE_TOKENS of --max-len for the response."""
+def _derived_rows(args: argparse.Namespace, model, distilled: list[dict]) -> list[dict]:
+    """The first --derived-prompts prompts derived from the first round's answers (the `distilled` rows
+    not derived themselves) whose chat-rendered prompt leaves at least MIN_RESPONSE_TOKENS of --max-len
+    for the response."""
     from jaxspec.train.derived_prompts import derived_prompts
-    from jaxspec.train.distill import chat_prompt_ids, read_jsonl_rows
+    from jaxspec.train.distill import chat_prompt_ids
     from jaxspec.train.prompts import load_prompt_texts
 
-    rows = read_jsonl_rows(Path(args.workdir) / "distill.jsonl")
-    first_round = [r for r in rows if not r.get("category", "").startswith("derived_")]
     answers = [
         {"id": r["id"], "category": r.get("category", ""), "text": model.tokenizer.decode(r["response_ids"])}
-        for r in first_round
+        for r in distilled
+        if not r.get("category", "").startswith("derived_")
     ]
     exclude = load_prompt_texts(args.exclude) if args.exclude else []
     rows = []
@@ -132,13 +132,13 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     if "distill" in stages:
-        distill(
+        distilled = distill(
             model, _prompt_rows(args), workdir / "distill.jsonl", max_new_tokens=args.max_new_tokens,
             batch_size=args.gen_batch, seed=args.seed, progress=progress,
         )  # fmt: skip
         if args.derived_prompts > 0:
             distill(
-                model, _derived_rows(args, model), workdir / "distill.jsonl",
+                model, _derived_rows(args, model, distilled), workdir / "distill.jsonl",
                 max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, seed=args.seed,
                 progress=progress,
             )  # fmt: skip

@@ -108,17 +108,17 @@ def derived_prompts(
             block = first_code_block(answer["text"], max_code_lines)
             if block is not None:
                 code.append((answer["id"], *block))
-    made = []
-    for k, (source, passage) in enumerate(prose):
-        prompt = PROSE_TEMPLATES[k % len(PROSE_TEMPLATES)].format(passage=passage)
-        made.append(("passage", source, prompt))
+    passage_prompts = [
+        ("passage", source, PROSE_TEMPLATES[k % len(PROSE_TEMPLATES)].format(passage=passage))
+        for k, (source, passage) in enumerate(prose)
+    ]
+    code_prompts = []
     for k, (source, lang, block) in enumerate(code):
         other = next(t for t in itertools.islice(itertools.cycle(PORT_TARGETS), k, None) if t.lower() != lang)
         prompt = CODE_TEMPLATES[k % len(CODE_TEMPLATES)].format(lang=lang, code=block, other=other)
-        made.append(("code", source, prompt))
+        code_prompts.append(("code", source, prompt))
     # Interleave the two kinds so that any prefix of the list mixes them.
-    by_kind = {"passage": [m for m in made if m[0] == "passage"], "code": [m for m in made if m[0] == "code"]}
-    mixed = [m for pair in itertools.zip_longest(by_kind["passage"], by_kind["code"]) for m in pair if m]
+    mixed = [m for pair in itertools.zip_longest(passage_prompts, code_prompts) for m in pair if m]
     rows, seen, counters = [], set(), {"passage": 0, "code": 0}
     for kind, source, prompt in mixed:
         if prompt in seen or index.contains(prompt):
