@@ -424,3 +424,45 @@ def test_garbage_inside_gguf_tensor_data_is_refused_by_name(tmp_path, tiny_dir):
     config, tensors, _ = read_gguf(path)
     with pytest.raises(ModelLoadError, match=rf"{path}: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' has"):
         state_from_hf_tensors(config, tensors, jnp.float32, source=str(path))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Head checkpoints: short clear errors, not library internals
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"garbage", "Unsupported operand"),
+        ("list", "not a PyTorch state dict of tensors (got list)"),
+        ("ints", "not a PyTorch state dict of tensors (got dict)"),
+    ],
+)
+def test_malformed_torch_checkpoint_is_a_short_load_error(tmp_path, content, message):
+    import torch
+
+    from jaxspec.models.heads.checkpoint_io import read_tensors
+
+    file = tmp_path / "pytorch_model.bin"
+    if isinstance(content, bytes):
+        file.write_bytes(content)
+    else:
+        torch.save([torch.zeros(2)] if content == "list" else {"w": 3}, file)
+    with pytest.raises(ModelLoadError, match=re.escape(message)) as caught:
+        read_tensors([file])
+    assert "weights_only" not in str(caught.value) and len(str(caught.value)) < 500
+
+
+def test_head_checkpoint_with_a_deleted_chunk_is_a_short_load_error(tmp_path):
+    import shutil
+
+    from jaxspec.models.heads.orbax_io import load_own_head
+
+    head = tmp_path / "medusa"
+    shutil.copytree(Path(__file__).parent.parent / "configs/heads/smollm2-135m/medusa", head)
+    chunks = sorted((head / "params").rglob("d/*"), key=lambda p: p.stat().st_size)
+    chunks[-1].unlink()
+    with pytest.raises(ModelLoadError, match="cannot restore head parameters") as caught:
+        load_own_head(head)
+    assert "incomplete or corrupt" in str(caught.value) and len(str(caught.value)) < 500
