@@ -12,8 +12,11 @@ Output: one line per finished request, in batch order (not input order):
     {"id", "text", "token_ids", "finish_reason", "stats": {"prompt_tokens", "new_tokens", "rounds",
      "mean_accepted_length", "time_s", "batch_size", "speculation"[, "accepted_by_depth"]}[, "metadata"]}
 time_s is the wall time of the request's whole batch (compilation included for a batch with new shapes).
+"text" is null, with an "error", when the tokenizer cannot decode the generated ids (they are kept).
 Each batch is appended and fsync'ed when it finishes; rerunning the same command resumes: ids already
-in the output are skipped (a partial last line left by a kill is cut off and recomputed). The output is
+in the output are skipped (a partial last line left by a kill is cut off and recomputed). The job
+writes only to an output it created (sidecar OUTPUT.jaxspec-state, see `jaxspec.batch.output_file`),
+holds a lock on it while it runs, and refuses an --output / --errors that is the input. The output is
 keyed by id alone: a rerun does not redo an id whose parameters changed in the input. Each request's
 randomness comes from (seed, id), so resumed and uninterrupted runs give the same tokens.
 
@@ -38,9 +41,9 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
+from jaxspec.batch.output_file import check_distinct_files, preflight_output
 from jaxspec.batch.requests import (
     InputIssue,
     RequestDefaults,
@@ -49,7 +52,7 @@ from jaxspec.batch.requests import (
     read_requests,
     tokenize_requests,
 )
-from jaxspec.batch.results import open_results, write_issues
+from jaxspec.batch.results import check_errors_file, open_results, write_issues
 from jaxspec.batch.schedule import plan_batches
 from jaxspec.batch.summary import RunStats, format_summary, plot_summary, write_summary_json
 from jaxspec.buckets import batch_bucket
@@ -159,6 +162,9 @@ def result_record(item: TokenizedRequest, completion: Any, seconds: float, size:
         "finish_reason": completion.finish_reason,
         "stats": stats,
     }
+    if completion.error is not None:  # token ids kept; the text could not be decoded
+        record.update(text=None, error=completion.error)
+        print(f"jaxspec: request {json.dumps(item.request.id)}: {completion.error}", file=sys.stderr)
     if item.request.metadata is not None:
         record["metadata"] = item.request.metadata
     return record
@@ -179,6 +185,11 @@ def _generate_batch(model: Any, batch: list[TokenizedRequest], spec: Any) -> lis
     )
 
 
+def errors_file(args: argparse.Namespace) -> str:
+    """Where --skip-invalid writes the invalid requests."""
+    return args.errors or f"{args.output}.errors.jsonl"
+
+
 def validated_requests(args: argparse.Namespace) -> tuple[Any, list[TokenizedRequest], list[InputIssue]]:
     """Check every input line (before loading the model), load the model, tokenize and check against
     it. Raises InvalidInput (all bad lines) unless --skip-invalid. Returns (model, ready, issues)."""
@@ -195,7 +206,7 @@ def validated_requests(args: argparse.Namespace) -> tuple[Any, list[TokenizedReq
     if issues and not args.skip_invalid:
         raise InvalidInput(issues)
     if args.skip_invalid:
-        errors_path = args.errors or f"{args.output}.errors.jsonl"
+        errors_path = errors_file(args)
         write_issues(errors_path, issues)
         if issues:
             print(f"jaxspec: {len(issues)} invalid requests written to {errors_path}", file=sys.stderr)
@@ -238,8 +249,10 @@ def run_job(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if Path(args.output).resolve() == Path(args.input).resolve():
-        raise InputError("--output must not be the --input file")
+    check_distinct_files(args.input, args.output, errors_file(args) if args.skip_invalid else None)
+    preflight_output(args.output)  # before loading the model; claimed (locked) by open_results
+    if args.skip_invalid:
+        check_errors_file(errors_file(args))
     pick_spec = functools.partial(
         choose_spec, args.policy, base_spec(args), policy=load_policy(args.policy_json)
     )

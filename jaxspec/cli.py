@@ -74,7 +74,10 @@ def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
     import jaxspec
 
     model = jaxspec.load(args.model)
-    sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    try:
+        sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as exc:  # names the parameter: SamplingParams.top_k must be ...
+        raise jaxspec.InputError(str(exc)) from None
     spec = _spec_from_args(args)
     if spec is None:
         print("decoding: autoregressive\n")

@@ -7,8 +7,13 @@ so a compiled program is keyed by exactly the settings that change its shape.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1  # seeds, top_k and request ids travel as int32
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        """Range checks (ValueError naming the field; loaders add the file)."""
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads")
+        for name in (*positive, "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
@@ -51,10 +72,15 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature < math.inf):
+            raise ValueError(
+                f"SamplingParams.temperature must be a finite number >= 0, got {self.temperature!r}"
+            )
+        top_k = self.top_k
+        if not (
+            isinstance(top_k, (int, np.integer)) and not isinstance(top_k, bool) and 0 <= top_k <= INT32_MAX
+        ):
+            raise ValueError(f"SamplingParams.top_k must be an integer in [0, {INT32_MAX}], got {top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
 

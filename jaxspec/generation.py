@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxspec.autoregressive import generate_autoregressive
 from jaxspec.buckets import batch_bucket, length_bucket
-from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.config import INT32_MAX, SamplingParams, SpecConfig
 from jaxspec.distributed import to_host
 from jaxspec.errors import InputError
 from jaxspec.model import Model
@@ -32,6 +32,7 @@ class Completion:
     text: str
     finish_reason: str  # "stop" | "length"
     stats: dict[str, Any]
+    error: str | None = None  # why `text` is empty although tokens were generated (undecodable ids)
 
 
 def request_id_from_string(request_id: str) -> int:
@@ -45,6 +46,30 @@ def _as_list(value: Any, n: int, name: str) -> list:
             raise InputError(f"generate: {name} has {len(value)} entries for {n} prompts")
         return list(value)
     return [value] * n
+
+
+def _int_list(value: Any, n: int, name: str, low: int, high: int) -> list[int]:
+    """`value` (one int, or one per prompt) as n ints, each an integer (not a float or bool) in
+    [low, high]; InputError naming the parameter and prompt otherwise."""
+    values = _as_list(value, n, name)
+    for i, v in enumerate(values):
+        where = f"generate: {name} for prompt {i}"
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise InputError(f"{where} must be an integer, got {v!r}")
+        if not low <= v <= high:
+            raise InputError(f"{where} must be {f'>= {low}' if v < low else f'<= {high}'}, got {v}")
+    return [int(v) for v in values]
+
+
+def _decode(model: Model, ids: list[int]) -> tuple[str, str | None]:
+    """(text, None), or ("", why) when the tokenizer cannot decode `ids` (a model vocabulary larger
+    than the tokenizer's): one row's failure must not lose the others."""
+    if model.tokenizer is None:
+        return "", None
+    try:
+        return model.tokenizer.decode(ids), None
+    except InputError as exc:
+        return "", f"cannot decode the generated tokens: {exc}"
 
 
 def tokenize_prompts(model: Model, prompts: Sequence[Prompt]) -> list[list[int]]:
@@ -100,10 +125,8 @@ def generate(
     n = len(token_lists)
     if n == 0:
         raise InputError("generate: no prompts given")
-    max_new = [int(m) for m in _as_list(max_new_tokens, n, "max_new_tokens")]
+    max_new = _int_list(max_new_tokens, n, "max_new_tokens", 1, INT32_MAX)
     for i, m in enumerate(max_new):
-        if m < 1:
-            raise InputError(f"generate: max_new_tokens for prompt {i} must be >= 1, got {m}")
         context = model.config.max_position_embeddings
         if len(token_lists[i]) + m > context:
             raise InputError(
@@ -111,10 +134,8 @@ def generate(
                 f"{len(token_lists[i]) + m}, beyond the model's context of {context}"
             )
     sampling_list = _as_list(sampling if sampling is not None else SamplingParams(), n, "sampling")
-    seeds = [int(s) for s in _as_list(seed, n, "seed")]
-    ids = list(request_ids) if request_ids is not None else [0] * n
-    if len(ids) != n:
-        raise InputError(f"generate: request_ids has {len(ids)} entries for {n} prompts")
+    seeds = _int_list(seed, n, "seed", 0, INT32_MAX)
+    ids = _int_list(list(request_ids) if request_ids is not None else 0, n, "request_ids", 0, INT32_MAX)
 
     rows = batch_bucket(n)
     prompt_len = length_bucket(max(len(t) for t in token_lists))
@@ -156,7 +177,7 @@ def generate(
     completions = []
     for i in range(n):
         ids_i = [int(t) for t in out_tokens[i, : counts[i]]]
-        text = model.tokenizer.decode(ids_i) if model.tokenizer is not None else ""
+        text, error = _decode(model, ids_i)
         stats: dict[str, Any] = {
             "new_tokens": len(ids_i),
             "rounds": int(rounds[i]),
@@ -168,5 +189,7 @@ def generate(
         for key, value in extra.items():
             stats[key] = value[i].tolist() if np.ndim(value[i]) else value[i].item()
         finish = "stop" if stopped[i] else "length"
-        completions.append(Completion(token_ids=ids_i, text=text, finish_reason=finish, stats=stats))
+        completions.append(
+            Completion(token_ids=ids_i, text=text, finish_reason=finish, stats=stats, error=error)
+        )
     return completions

@@ -38,7 +38,7 @@ def load(
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     if path.is_file():
         config, tensors, metadata = read_gguf(path)
-        tokenizer = Tokenizer.from_gguf(metadata)
+        tokenizer = Tokenizer.from_gguf(metadata, source=str(path))
     elif path.is_dir():
         config, tensors = read_hf_dir(path)
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None

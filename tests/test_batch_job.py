@@ -152,20 +152,35 @@ def test_int_and_string_ids_collide(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 
 
+def _record(request_id) -> dict:
+    return {"id": request_id, "text": "", "token_ids": [], "finish_reason": "stop", "stats": {}}
+
+
 def test_open_results_cuts_a_partial_last_line(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_bytes(b'{"id": "a", "text": ""}\n{"id": 2, "text": ""}\n{"id": "c", "te')
+    writer, _, _ = open_results(out)
+    with writer:
+        writer.append([_record("a"), _record(2)])
+        torn = json.dumps(_record("c")).encode() + b"\n"
+        writer.owned.begin_append(len(torn))  # a kill while writing: announced, half on disk
+        writer.write_raw(torn[:15])
     writer, done, removed = open_results(out)
     with writer:
-        writer.append([{"id": "c", "text": "again"}])
-    assert done == {"a", "2"} and removed == len(b'{"id": "c", "te')
+        writer.append([{**_record("c"), "text": "again"}])
+    assert done == {"a", "2"} and removed == 15
     assert [r["id"] for r in read_jsonl(out)] == ["a", 2, "c"]
 
 
 def test_open_results_refuses_a_corrupt_middle_line(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_bytes(b'{"id": "a"}\nnot json\n{"id": "b"}\n')
-    with pytest.raises(JaxspecError, match=rf"{out}:2: not a result line"):
+    writer, _, _ = open_results(out)
+    with writer:
+        writer.append([_record("a")])
+        line = b'{"id": "b"}\n'  # an incomplete record (no text, token_ids, ...) does not count as done
+        writer.owned.begin_append(len(line))
+        writer.write_raw(line)
+        writer.owned.end_append(len(line))
+    with pytest.raises(JaxspecError, match=rf"{out}:2: not a complete result record"):
         open_results(out)
 
 
@@ -284,9 +299,8 @@ DRIVER = textwrap.dedent(
         calls["write"] += 1
         if mode == "torn" and calls["write"] == at:
             lines = [json.dumps(r).encode() + b"\\n" for r in records]
-            self._file.write(lines[0] + lines[1][: len(lines[1]) // 2])
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            self.owned.begin_append(len(lines[0] + lines[1]))
+            self.write_raw(lines[0] + lines[1][: len(lines[1]) // 2])
             pause()
         original_append(self, records)
         if mode == "after" and calls["write"] == at:

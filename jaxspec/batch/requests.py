@@ -11,7 +11,7 @@ One request per line (blank lines are skipped):
                   that ship no tokenizer
   max_new_tokens  integer >= 1            (default: the job's --max-new-tokens)
   temperature     number >= 0, 0 = greedy (default: --temperature)
-  top_k           integer >= 0, 0 = off   (default: --top-k)
+  top_k           integer in [0, 2**31), 0 = off (default: --top-k)
   top_p           number in (0, 1]        (default: --top-p)
   seed            integer in [0, 2**31)   (default: --seed)
   metadata        any JSON value, copied unchanged to the output line
@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxspec.config import SamplingParams
+from jaxspec.config import INT32_MAX, SamplingParams
 from jaxspec.errors import InputError, JaxspecError
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 PARAMETER_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 KNOWN_FIELDS = ("id", *PROMPT_FIELDS, *PARAMETER_FIELDS, "metadata")
-MAX_SEED = 2**31 - 1
+MAX_SEED = INT32_MAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +111,10 @@ def _int_field(record: dict, name: str, default: int, minimum: int, maximum: int
     value = record.get(name, default)
     if not _is_int(value):
         raise _Invalid(f"'{name}' must be an integer, got {json.dumps(value)}")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise _Invalid(f"'{name}' must be {bound}, got {value}")
+    if value < minimum:
+        raise _Invalid(f"'{name}' must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise _Invalid(f"'{name}' must be <= {maximum}, got {value}")
     return value
 
 
@@ -135,7 +136,7 @@ def _parse_sampling(record: dict, defaults: RequestDefaults) -> SamplingParams:
     top_p = record.get("top_p", defaults.top_p)
     if not _is_number(top_p) or not 0 < top_p <= 1:
         raise _Invalid(f"'top_p' must be a number in (0, 1], got {json.dumps(top_p)}")
-    top_k = _int_field(record, "top_k", defaults.top_k, 0)
+    top_k = _int_field(record, "top_k", defaults.top_k, 0, INT32_MAX)
     return SamplingParams(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
 
 
@@ -163,12 +164,22 @@ def _parse_prompt(record: dict) -> tuple[str | None, tuple | None, tuple[int, ..
     return None, None, tuple(value)
 
 
-def parse_request(text: str, line: int, defaults: RequestDefaults) -> BatchRequest:
-    """One JSONL line -> BatchRequest; raises _Invalid with the reason."""
+def _load_json(text: str) -> Any:
+    """json.loads with every failure as _Invalid: malformed JSON, nesting too deep, a number with too
+    many digits."""
     try:
-        record = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise _Invalid(f"malformed JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise _Invalid("JSON nested too deeply") from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise _Invalid(f"unreadable JSON value: {str(exc).split(':')[0]}") from None
+
+
+def parse_request(text: str, line: int, defaults: RequestDefaults) -> BatchRequest:
+    """One JSONL line -> BatchRequest; raises _Invalid with the reason."""
+    record = _load_json(text)
     if not isinstance(record, dict):
         raise _Invalid(f"a request must be a JSON object, got {type(record).__name__}")
     request_id = _parse_id(record)
@@ -200,10 +211,17 @@ def check_defaults(defaults: RequestDefaults) -> None:
 
 def _readable_id(text: str) -> str | int | None:
     try:
-        value = json.loads(text).get("id")
-    except (json.JSONDecodeError, AttributeError):
+        value = _load_json(text).get("id")
+    except (_Invalid, AttributeError):
         return None
     return value if _is_int(value) or isinstance(value, str) else None
+
+
+def _decode_line(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Invalid(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
 
 
 def read_requests(path: str | Path, defaults: RequestDefaults) -> tuple[list[BatchRequest], list[InputIssue]]:
@@ -213,20 +231,22 @@ def read_requests(path: str | Path, defaults: RequestDefaults) -> tuple[list[Bat
     """
     path = str(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")  # not splitlines(): JSON strings may hold raw U+2028 etc.
-    except (OSError, UnicodeDecodeError) as exc:
-        raise JaxspecError(f"{path}: cannot read the input: {exc}") from None
+        with open(path, "rb") as f:
+            raw_lines = f.read().split(b"\n")  # not splitlines(): JSON strings may hold raw U+2028 etc.
+    except OSError as exc:
+        raise JaxspecError(f"{path}: cannot read the input: {exc.strerror or exc}") from None
     requests: list[BatchRequest] = []
     issues: list[InputIssue] = []
     first_line_of: dict[str, int] = {}
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
             continue
         try:
+            text = _decode_line(raw)
             request = parse_request(text, number, defaults)
         except _Invalid as exc:
-            issues.append(InputIssue(path, number, str(exc), _readable_id(text)))
+            readable = _readable_id(raw.decode("utf-8", errors="replace"))
+            issues.append(InputIssue(path, number, str(exc), readable))
             continue
         if request.key in first_line_of:
             message = f"duplicate id {json.dumps(request.id)} (first on line {first_line_of[request.key]})"

@@ -66,7 +66,10 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], dic
     reader = _open_reader(file)
     metadata = _decode_metadata(reader, file)
     gguf_tensors = {tensor.name: tensor for tensor in reader.tensors}
-    config = _config_from_metadata(metadata, gguf_tensors, file)
+    try:
+        config = _config_from_metadata(metadata, gguf_tensors, file)
+    except (TypeError, ValueError) as error:  # a metadata value of the wrong type or out of range
+        raise ModelLoadError(f"{file}: invalid model metadata: {error}") from None
     expected = hf_tensor_shapes(config)
     tensors: dict[str, np.ndarray] = {}
     for gguf_name, tensor in gguf_tensors.items():

@@ -7,6 +7,7 @@ Tensors come back under their Hugging Face names, as float32 numpy arrays in Hug
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     config = read_hf_config(directory / "config.json")
     shapes = hf_tensor_shapes(config)
     by_file: dict[Path, dict[str, tuple[int, ...]]] = {}
-    for name, file in _locate_tensors(directory, shapes).items():
+    for name, file in _locate_tensors(directory, shapes, config.num_layers).items():
         by_file.setdefault(file, {})[name] = shapes[name]
     tensors: dict[str, np.ndarray] = {}
     for file, file_shapes in by_file.items():
@@ -52,39 +53,71 @@ def read_hf_config(config_path: Path) -> ModelConfig:
     if raw.get("attention_bias") and model_type in ("llama", "mistral"):
         raise ModelLoadError(f"{config_path}: attention_bias=true (o_proj bias) is not supported for llama")
 
-    def field(name: str) -> Any:
-        if raw.get(name) is None:
+    def field(name: str, default: Any = None) -> Any:
+        value = raw.get(name, default)
+        if value is None:
             raise ModelLoadError(f"{config_path}: required field {name!r} is missing")
-        return raw[name]
+        return value
 
-    hidden_size = int(field("hidden_size"))
-    num_heads = int(field("num_attention_heads"))
-    rope_theta, rope_scaling = _rope_settings(raw, config_path)
-    eos_ids = _token_id_tuple(raw.get("eos_token_id"))
-    generation_config = config_path.parent / "generation_config.json"
-    if generation_config.is_file():
-        extra_eos = _token_id_tuple(_read_json(generation_config).get("eos_token_id"))
-        eos_ids = tuple(dict.fromkeys(eos_ids + extra_eos))
+    def integer(name: str, default: Any = None) -> int:
+        value = field(name, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ModelLoadError(f"{config_path}: field {name!r} must be an integer, got {json.dumps(value)}")
+        return value
+
+    def number(name: str, default: float) -> float:
+        value = field(name, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ModelLoadError(f"{config_path}: field {name!r} must be a number, got {json.dumps(value)}")
+        return float(value)
+
+    hidden_size = integer("hidden_size")
+    num_heads = integer("num_attention_heads")
+    try:
+        rope_theta, rope_scaling = _rope_settings(raw, config_path)
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ModelLoadError(f"{config_path}: invalid rope settings ({error})") from None
+    try:
+        eos_ids = _token_id_tuple(raw.get("eos_token_id"))
+        generation_config = config_path.parent / "generation_config.json"
+        if generation_config.is_file():
+            extra_eos = _token_id_tuple(_read_json(generation_config).get("eos_token_id"))
+            eos_ids = tuple(dict.fromkeys(eos_ids + extra_eos))
+    except (TypeError, ValueError):
+        raise ModelLoadError(
+            f"{config_path}: eos_token_id must be an integer or a list of integers"
+        ) from None
     bos = raw.get("bos_token_id")
-    return ModelConfig(
-        vocab_size=int(field("vocab_size")),
-        hidden_size=hidden_size,
-        intermediate_size=int(field("intermediate_size")),
-        num_layers=int(field("num_hidden_layers")),
-        num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-        architecture=model_type,
-        bos_token_id=int(bos) if isinstance(bos, int) else None,
-        eos_token_ids=eos_ids,
-    )
+    names = {
+        "num_layers": "num_hidden_layers",
+        "num_kv_heads": "num_key_value_heads",
+        "num_heads": "num_attention_heads",
+    }
+    try:
+        return ModelConfig(
+            vocab_size=integer("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=integer("intermediate_size"),
+            num_layers=integer("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=integer("num_key_value_heads", num_heads),
+            head_dim=integer("head_dim", hidden_size // num_heads if num_heads > 0 else 0),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            max_position_embeddings=integer("max_position_embeddings", 2048),
+            architecture=model_type,
+            bos_token_id=int(bos) if isinstance(bos, int) else None,
+            eos_token_ids=eos_ids,
+        )
+    except ValueError as error:  # a range check of ModelConfig: name the config.json field
+        message = str(error)
+        for ours, theirs in names.items():
+            message = message.replace(ours, theirs)
+        raise ModelLoadError(f"{config_path}: {message}") from None
 
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -162,13 +195,28 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _locate_tensors(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Path]:
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_no_extra_layers(names: list[str], num_layers: int, where: Path) -> None:
+    """A tensor of a layer the config does not have means config and weights disagree: refuse it."""
+    for name in names:
+        match = _LAYER_INDEX.search(name)
+        if match and int(match.group(1)) >= num_layers:
+            raise ModelLoadError(
+                f"{where}: tensor {name!r} belongs to layer {match.group(1)} but config.json's "
+                f"num_hidden_layers is {num_layers}"
+            )
+
+
+def _locate_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], num_layers: int) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it, from the shard index or the single file."""
     index_path = directory / SHARD_INDEX
     if index_path.is_file():
         weight_map = _read_json(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or not an object")
+        _check_no_extra_layers(list(weight_map), num_layers, index_path)
         missing = [name for name in shapes if name not in weight_map]
         if missing:
             count = len(missing)
@@ -178,6 +226,7 @@ def _locate_tensors(directory: Path, shapes: dict[str, tuple[int, ...]]) -> dict
     if not single.is_file():
         raise ModelLoadError(f"{directory}: neither {SINGLE_FILE} nor {SHARD_INDEX} found")
     keys = set(_file_keys(single))
+    _check_no_extra_layers(sorted(keys), num_layers, single)
     missing = [name for name in shapes if name not in keys]
     if missing:
         raise ModelLoadError(f"{single}: tensor {missing[0]!r} not found ({len(missing)} missing)")

@@ -105,6 +105,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            source=self.source,
         )
 
     def apply_chat_template(

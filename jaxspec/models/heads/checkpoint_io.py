@@ -47,13 +47,31 @@ def _read_torch_file(file: Path) -> dict[str, np.ndarray]:
     try:
         state = torch.load(str(file), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 (torch raises many kinds)
-        raise ModelLoadError(f"{file}: cannot read PyTorch checkpoint: {err}") from err
+        raise ModelLoadError(
+            f"{file}: cannot read PyTorch checkpoint (only plain tensor state dicts are read): "
+            f"{_torch_reason(err)}"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelLoadError(f"{file}: not a PyTorch state dict of tensors (got {type(state).__name__})")
     out = {}
     for name, value in state.items():
         if value.dtype.is_floating_point:
             value = value.float()
         out[name] = value.numpy()
     return out
+
+
+def _torch_reason(err: Exception) -> str:
+    """What torch.load found wrong, without its advice to pass weights_only=False (which would run
+    the file's pickled code: jaxspec never does that with a downloaded file)."""
+    text = str(err).strip()
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        text = text.split(marker, 1)[1].split("Check the documentation", 1)[0]
+    elif text.startswith("Weights only load failed"):
+        text = "the file holds more than tensors (loading it would run its pickled code)"
+    text = " ".join(text.split())
+    return text[:300] or type(err).__name__
 
 
 class TensorSource:

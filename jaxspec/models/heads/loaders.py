@@ -132,24 +132,27 @@ def layer_config_from_json(
     def get(name: str, default: Any) -> Any:
         return raw[name] if raw.get(name) is not None else default
 
-    hidden = int(get("hidden_size", target.hidden_size))
-    heads = int(get("num_attention_heads", target.num_heads))
-    config = ModelConfig(
-        vocab_size=target.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=int(get("intermediate_size", target.intermediate_size)),
-        num_layers=1,
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads", heads)),
-        head_dim=int(get("head_dim", hidden // heads)),
-        rope_theta=float(get("rope_theta", target.rope_theta)),
-        rope_scaling=_rope_scaling(raw, source, target) if "rope_scaling" in raw else target.rope_scaling,
-        rms_norm_eps=float(get("rms_norm_eps", target.rms_norm_eps)),
-        attention_bias=bool(get("attention_bias", False)),
-        max_position_embeddings=int(get("max_position_embeddings", target.max_position_embeddings)),
-        architecture="head",
-    )
-    return config.replace(**overrides)
+    try:
+        hidden = int(get("hidden_size", target.hidden_size))
+        heads = int(get("num_attention_heads", target.num_heads))
+        config = ModelConfig(
+            vocab_size=target.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size", target.intermediate_size)),
+            num_layers=1,
+            num_heads=heads,
+            num_kv_heads=int(get("num_key_value_heads", heads)),
+            head_dim=int(get("head_dim", hidden // heads)),
+            rope_theta=float(get("rope_theta", target.rope_theta)),
+            rope_scaling=_rope_scaling(raw, source, target) if "rope_scaling" in raw else target.rope_scaling,
+            rms_norm_eps=float(get("rms_norm_eps", target.rms_norm_eps)),
+            attention_bias=bool(get("attention_bias", False)),
+            max_position_embeddings=int(get("max_position_embeddings", target.max_position_embeddings)),
+            architecture="head",
+        )
+        return config.replace(**overrides)
+    except (TypeError, ValueError, ZeroDivisionError) as error:  # a field of the wrong type or range
+        raise ModelLoadError(f"{source}: {error}") from None
 
 
 def _has_attention_bias(tensors: TensorSource, prefix: str) -> bool:

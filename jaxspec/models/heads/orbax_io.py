@@ -50,7 +50,12 @@ def load_own_head(directory: str | Path, dtype: jnp.dtype | None = None) -> Draf
     try:
         params = ocp.StandardCheckpointer().restore(directory / "params", target=stored.params)
     except Exception as err:  # noqa: BLE001 (Orbax raises many kinds)
-        raise ModelLoadError(f"{directory / 'params'}: cannot restore head parameters: {err}") from err
+        # The first line names what is missing or corrupt; the rest is TensorStore's internals.
+        reason = str(err).strip().splitlines()[0].split(" See full TensorStore details")[0][:300]
+        raise ModelLoadError(
+            f"{directory / 'params'}: cannot restore head parameters ({type(err).__name__}: {reason}); "
+            "the checkpoint is incomplete or corrupt"
+        ) from None
     if dtype is not None:
         params = jax.tree.map(
             lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params
