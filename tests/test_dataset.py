@@ -23,7 +23,9 @@ def make_rows(n: int, start: int = 0, vocab: int = 49152, seed: int = 0) -> list
     rng = np.random.default_rng(seed + start)
     return [
         {
-            "id": f"r{start + i}", "category": "magpie_code", "prompt": f"prompt {start + i} ✓",
+            "id": f"r{start + i}",
+            "category": "magpie_code",
+            "prompt": f"prompt {start + i} ✓",
             "prompt_ids": rng.integers(0, vocab, rng.integers(1, 40)).tolist(),
             "response_ids": rng.integers(0, vocab, rng.integers(0, 200)).tolist(),
             "finish_reason": "stop" if i % 3 else "length",
