@@ -344,3 +344,55 @@ def test_kill_during_feature_writing_and_distillation_loses_nothing(tiny, tiny_m
     resumed_rows = distill(tiny_model, prompts, out, max_new_tokens=8, batch_size=2, progress=False)
     assert [r["id"] for r in resumed_rows] == [r["id"] for r in prompts]
     assert resumed_rows == reference
+
+
+def test_eagle3_position_mask_drops_exactly_the_targets_outside_the_draft_vocabulary(tiny_model, store):
+    """EAGLE-3's loss counts a pair only where the target's full-vocabulary argmax is in the draft
+    vocabulary: changing the target distribution at the other positions leaves the loss unchanged, at
+    a counted position it changes it; the stored argmax and the LM-head fallback give the same loss."""
+    import jax.numpy as jnp
+
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective
+    from jaxspec.train.trainer import split_trainable
+
+    config = head_config_for(
+        "eagle3", tiny_model.config, depth=1, draft_vocab_size=64, eagle3_layers=(0, 1, 1)
+    )
+    draft_ids = np.arange(0, 256, 4)
+    head = new_head(config, seed=0, draft_ids=draft_ids)
+    trainable, head_fixed = split_trainable(head.params)
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=1,
+                          num_positions=64)  # fmt: skip
+    loss = jax.jit(lambda batch: objective({"head": trainable}, fixed, batch, jax.random.key(0))[0])
+    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+    assert "argmax" in batch
+    np.testing.assert_array_equal(  # the stored argmax is the target's own
+        np.asarray(batch["argmax"][0, :24]),
+        np.argmax(tiny_model.logits(np.asarray(batch["tokens"][0, :24])), -1),
+    )
+    base = float(loss(batch))
+    without_stored = {k: v for k, v in batch.items() if k != "argmax"}
+    np.testing.assert_allclose(float(loss(without_stored)), base, rtol=1e-6)
+
+    # Pair i's target is the distribution at position i + 1; counted pairs are response labels.
+    argmax = np.asarray(batch["argmax"])
+    starts, lengths = np.asarray(batch["starts"]), np.asarray(batch["lengths"])
+    in_vocab = np.isin(argmax, draft_ids)
+    response = (np.arange(argmax.shape[1])[None] >= starts[:, None] + 1) & (
+        np.arange(argmax.shape[1])[None] < lengths[:, None]
+    )
+    outside = np.argwhere(response & ~in_vocab)
+    inside = np.argwhere(response & in_vocab)
+    assert len(outside) > 10 and len(inside) > 10  # the batch has both kinds
+
+    def perturbed(positions) -> dict:
+        hidden = np.asarray(batch["hidden"]).copy()
+        rng = np.random.default_rng(0)
+        for b, p in positions:
+            hidden[b, p] += rng.normal(0, 3.0, hidden.shape[-1])
+        return dict(batch, hidden=jnp.asarray(hidden))  # the stored argmax stays the target's
+
+    np.testing.assert_allclose(float(loss(perturbed(outside))), base, rtol=1e-6)
+    assert abs(float(loss(perturbed(inside[:5]))) - base) > 1e-4

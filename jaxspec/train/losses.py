@@ -17,7 +17,11 @@ EAGLE-3: the argmax within the draft vocabulary).
   EAGLE-3   training-time test: step s feeds pair i the head's own step s - 1 output and t_(i+1+s) at
             rotary position i + s; queries see step 0's keys causally and their own earlier steps'
             keys at the same position (the drafting pattern); soft CE over the draft vocabulary
-            (target renormalised there) weighted 0.8^s.
+            (target renormalised there) weighted 0.8^s. As in the reference training (EAGLE-3,
+            SpecForge), a position counts only where the target's argmax over its full vocabulary
+            lies inside the draft vocabulary (the position mask): elsewhere the head could not draft
+            the target's token anyway. The argmax comes from the batch ("argmax", written by the
+            feature store) or, without it, from the target's full LM head at the sampled positions.
   MTP       module s at position i reads (t_(i+s+1), h_i^s) and predicts t_(i+s+2); CE per depth; with
             `backbone_weight` > 0 the target is trained too: main next-token CE + lambda x MTP loss.
 The target's LM head over the full vocabulary dominates the cost on a CPU, so the Medusa, EAGLE-1 and
@@ -218,6 +222,16 @@ class Objective:
             return jax.lax.stop_gradient(logits)
 
         target_hidden = batch["hidden"][:, 1:]  # pair i's depth-1 target is the distribution at i + 1
+        in_draft_vocab = head.t2d[...]  # [V] bool
+
+        def position_mask(target_h: jax.Array, s: int, idx: jax.Array) -> jax.Array:
+            """[B, P] 1.0 where the target's full-vocabulary argmax at the step-s targets is drafteable."""
+            if "argmax" in batch:
+                top = take(shifted(batch["argmax"][:, 1:], s, n), idx)
+            else:
+                top = jnp.argmax(jax.lax.stop_gradient(target_lm(target_h)), -1)
+            return in_draft_vocab[top].astype(jnp.float32)
+
         hidden = head.project_target_features(batch["layers"][:, :n])
         eye = jnp.eye(n, dtype=bool)
         keys, values, visible = [], [], []
@@ -244,7 +258,9 @@ class Objective:
             idx, weight = sample_positions(
                 jax.random.fold_in(key, s), label_mask(batch, 2 + s, n), self.num_positions
             )
-            target_logits = target_draft_logits(take(shifted(target_hidden, s, n), idx))  # [B, P, Vd]
+            target_h = take(shifted(target_hidden, s, n), idx)  # [B, P, d]
+            target_logits = target_draft_logits(target_h)  # [B, P, Vd]
+            weight = weight * position_mask(target_h, s, idx)
             logits = head.draft_logits(take(out, idx))  # [B, P, Vd]
             losses.append(masked_mean(soft_ce(logits, jax.nn.softmax(target_logits, -1)), weight))
             agree = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
