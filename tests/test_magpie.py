@@ -77,3 +77,14 @@ def test_greedy_draws_collapse_to_one_turn_and_excluded_turns_are_dropped(tiny_c
     excluded = magpie_prompts(tiny_chat_model, 4, categories=("chat",), config=config, batch_size=4,
                               max_batches_per_category=2, exclude=[rows[0]["prompt"].upper()])  # fmt: skip
     assert excluded == []
+
+
+def test_resumed_sampling_gives_the_uninterrupted_turns(tiny_chat_model):
+    config = MagpieConfig(max_new_tokens=12, require_stop=False, min_distinct_ratio=0.0)
+    kwargs = dict(categories=("code", "writing"), config=config, batch_size=4, max_batches_per_category=3)
+    saved: list[list[dict]] = []
+    full = magpie_prompts(tiny_chat_model, 9, on_batch=saved.append, **kwargs)
+    assert len(saved) >= 4 and sum(len(b) for b in saved) == len(full)
+    # Killed after the third batch: what was saved is `done`, sampling goes on from there.
+    done = [row for batch in saved[:3] for row in batch]
+    assert magpie_prompts(tiny_chat_model, 9, done=done, **kwargs) == full

@@ -396,3 +396,35 @@ def test_eagle3_position_mask_drops_exactly_the_targets_outside_the_draft_vocabu
 
     np.testing.assert_allclose(float(loss(perturbed(outside))), base, rtol=1e-6)
     assert abs(float(loss(perturbed(inside[:5]))) - base) > 1e-4
+
+
+def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
+    from jaxspec.cli import main
+    from jaxspec.train.dataset import DistilledDataset
+    from jaxspec.train.distill import append_jsonl_rows
+    from jaxspec.train.features import FeatureStore
+
+    rng = np.random.default_rng(3)
+    prompts = [{"id": f"p{i}", "prompt": f"prompt {i}", "prompt_ids": rng.integers(1, VOCAB, 5).tolist()}
+               for i in range(8)]  # fmt: skip
+    append_jsonl_rows(tmp_path / "prompts.jsonl", prompts)
+
+    def cli(num_prompts: int, stages: str) -> int:
+        return main([
+            "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(tmp_path / "work"),
+            "--dataset", str(tmp_path / "ds"), "--prompts", str(tmp_path / "prompts.jsonl"),
+            "--num-prompts", str(num_prompts), "--stages", stages, "--max-new-tokens", "6",
+            "--gen-batch", "4", "--max-len", "16", "--feature-batch", "4", "--no-progress",
+        ])  # fmt: skip
+
+    assert cli(6, "distill") == 0
+    rows = list(DistilledDataset.open(tmp_path / "ds").rows())
+    assert [r["id"] for r in sorted(rows, key=lambda r: r["id"])] == [f"p{i}" for i in range(6)]
+    assert all(r["prompt_ids"] == prompts[int(r["id"][1:])]["prompt_ids"] for r in rows)
+    assert all(1 <= len(r["response_ids"]) <= 6 for r in rows)
+    assert cli(8, "distill,features") == 0  # the same run goes on: two more prompts
+    data = DistilledDataset.open(tmp_path / "ds")
+    assert data.num_records() == 8 and len(data.manifest["runs"]) == 1
+    assert list(data.rows())[:6] == rows
+    assert not (tmp_path / "work" / "distill.jsonl").exists()
+    assert FeatureStore.open(tmp_path / "work" / "features").num_sequences == 8

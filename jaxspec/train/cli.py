@@ -5,7 +5,10 @@ train stage after a kill). Work files live in --workdir and are shared by all me
   distill.jsonl     the target's own responses to the training prompts
   features/         tensorstore feature store (final hidden + EAGLE-3 layers)
   run_<method>/     Orbax checkpoints, metrics.jsonl, curves.png
-The exported head goes to --output (`SpecConfig(method=..., head=OUTPUT)`).
+  magpie_s<seed>.jsonl  user turns sampled by the model (--prompt-source magpie), resumable
+With --dataset DIR the distilled responses go to (and are read from) a repository data set
+(`jaxspec.train.dataset`: compact shards + manifest) instead of distill.jsonl, so they outlive the
+machine and grow run by run. The exported head goes to --output (`SpecConfig(method=..., head=OUTPUT)`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--output", help="exported head directory (default WORKDIR/head_<method>)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--prompts", help="JSONL of {id, prompt} (default: jaxspec's own training prompt set)")
+    p.add_argument(
+        "--prompt-source", choices=("templated", "magpie"), default="templated",
+        help="templated: jaxspec's task x topic set (or --prompts); magpie: user turns written by the "
+        "model itself (--magpie-per-category per category), cached in WORKDIR/magpie_s<seed>.jsonl",
+    )  # fmt: skip
+    p.add_argument("--magpie-per-category", type=int, default=256)
+    p.add_argument("--magpie-categories", default="all", help="comma-separated (default all)")
+    p.add_argument(
+        "--dataset",
+        help="distilled data set directory (e.g. configs/distilled/smollm2-135m): the distill stage "
+        "appends a run to it, the later stages train on all of it (instead of WORKDIR/distill.jsonl)",
+    )  # fmt: skip
     p.add_argument("--exclude", help="JSONL whose prompts must not be trained on (e.g. a dev set)")
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument(
@@ -112,6 +127,21 @@ def _derived_rows(args: argparse.Namespace, model, distilled: list[dict]) -> lis
     return rows
 
 
+def _magpie_rows(args: argparse.Namespace, model, workdir: Path) -> list[dict]:
+    """Magpie user turns for the distill stage, sampled batch by batch into a resumable cache file."""
+    from jaxspec.train.distill import append_jsonl_rows, read_jsonl_rows
+    from jaxspec.train.magpie import CATEGORIES, magpie_prompts
+    from jaxspec.train.prompts import load_prompt_texts
+
+    names = tuple(CATEGORIES) if args.magpie_categories == "all" else tuple(args.magpie_categories.split(","))
+    cache = workdir / f"magpie_s{args.seed}.jsonl"
+    return magpie_prompts(
+        model, args.magpie_per_category, categories=names, seed=args.seed,
+        exclude=load_prompt_texts(args.exclude) if args.exclude else [], batch_size=args.gen_batch,
+        done=read_jsonl_rows(cache), on_batch=lambda rows: append_jsonl_rows(cache, rows),
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -130,25 +160,38 @@ def run(args: argparse.Namespace) -> int:
     model = jaxspec.load(args.model)
     timings: dict[str, float] = {}
 
+    dataset = None
+    if args.dataset:
+        from jaxspec.train.dataset import DistilledDataset
+
+        dataset = DistilledDataset.open_or_create(
+            args.dataset, model=args.model, vocab_size=model.config.vocab_size
+        )
     start = time.perf_counter()
     if "distill" in stages:
+        sink = workdir / "distill.jsonl"
+        if dataset is not None:
+            sink = dataset.writer(
+                prompt_source=args.prompt_source, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                derived_prompts=args.derived_prompts, sampling="greedy",
+            )  # fmt: skip
+        prompts = _magpie_rows(args, model, workdir) if args.prompt_source == "magpie" else _prompt_rows(args)
         distilled = distill(
-            model, _prompt_rows(args), workdir / "distill.jsonl", max_new_tokens=args.max_new_tokens,
-            batch_size=args.gen_batch, seed=args.seed, progress=progress,
+            model, prompts, sink, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
+            seed=args.seed, progress=progress,
         )  # fmt: skip
         if args.derived_prompts > 0:
             distill(
-                model, _derived_rows(args, model, distilled), workdir / "distill.jsonl",
-                max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, seed=args.seed,
-                progress=progress,
+                model, _derived_rows(args, model, distilled), sink, max_new_tokens=args.max_new_tokens,
+                batch_size=args.gen_batch, seed=args.seed, progress=progress,
             )  # fmt: skip
+        if dataset is not None:
+            sink.finish()
         timings["distill_s"] = time.perf_counter() - start
-    rows = read_jsonl_rows(workdir / "distill.jsonl")
+    source = dataset.path if dataset is not None else workdir / "distill.jsonl"
+    rows = list(dataset.rows()) if dataset is not None else read_jsonl_rows(source)
     if not rows:
-        print(
-            f"jaxspec train: no distilled data in {workdir / 'distill.jsonl'} (run the distill stage)",
-            file=sys.stderr,
-        )
+        print(f"jaxspec train: no distilled data in {source} (run the distill stage)", file=sys.stderr)
         return 2
 
     from jaxspec.models.heads.configs import default_eagle3_layers

@@ -222,10 +222,10 @@ class DistilledDataset:
         return writer
 
     def writer(self, **info: Any) -> DatasetWriter:
-        """The writer for a generation run described by `info`: the last run when it is unfinished and
-        has the same `info` (a rerun after a kill), else a new run."""
+        """The writer for a generation run described by `info`: the last run when it has the same `info`
+        (a rerun, e.g. after a kill: its shard goes on), else a new run with its own shard."""
         runs = self.manifest["runs"]
-        if runs and not runs[-1].get("complete") and all(runs[-1].get(k) == v for k, v in info.items()):
+        if runs and all(runs[-1].get(k) == v for k, v in info.items()):
             return self.resume_run(-1)
         return self.begin_run(**info)
 
@@ -275,7 +275,7 @@ class DatasetWriter:
         self._commit(rows)
 
     def finish(self) -> None:
-        """Mark the run complete: a later generation run starts its own shard."""
+        """Mark the run complete (all its prompts distilled)."""
         self.run["complete"] = True
         _write_json_atomic(self.dataset.path / MANIFEST, self.dataset.manifest)
 

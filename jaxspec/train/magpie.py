@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from jaxspec.config import SamplingParams
 from jaxspec.train.prompts import NearDuplicateIndex
@@ -95,12 +95,18 @@ def magpie_prompts(
     exclude: Iterable[str] = (),
     batch_size: int = 32,
     max_batches_per_category: int | None = None,
-) -> list[dict[str, str]]:
-    """Up to `per_category` clean, deduplicated user turns per category: [{"id", "category", "prompt"}].
+    done: Sequence[dict] = (),
+    on_batch: Callable[[list[dict]], None] | None = None,
+) -> list[dict]:
+    """Up to `per_category` clean, deduplicated user turns per category:
+    [{"id", "category", "prompt", "batch"}], in sampling order.
 
-    Batches of `batch_size` turns are sampled per category (seed = hash of (seed, category), request ids
-    = the turn's index) until `per_category` are kept or `max_batches_per_category` (default: enough
-    for 4x the target) were drawn. Ids are "magpie-{category}-s{seed}-{index}" (index of the draw).
+    Batches of `batch_size` turns are sampled per category (seed = (seed, category), request ids = the
+    draw's index) until `per_category` are kept or `max_batches_per_category` (default: enough for 4x
+    the target) were drawn. Ids are "magpie-{category}-s{seed}-{draw}".
+    Resumable: `done` holds rows of an earlier, interrupted call with the same arguments (e.g. what
+    `on_batch`, called with each batch's kept rows, had saved); they are kept, count towards the
+    targets, and sampling continues after the last batch they came from.
     """
     from jaxspec.generation import generate
 
@@ -110,13 +116,17 @@ def magpie_prompts(
     if unknown:
         raise ValueError(f"magpie: unknown categories {unknown}; choose from {sorted(CATEGORIES)}")
     seen = NearDuplicateIndex(list(exclude))
+    rows = list(done)
+    for row in rows:
+        seen.add(row["prompt"])
     sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p)
     limit = max_batches_per_category or max(1, -(-4 * per_category // batch_size))
-    rows: list[dict[str, str]] = []
     for c_index, category in enumerate(categories):
+        earlier = [r for r in rows if r["category"] == f"magpie_{category}"]
+        kept = len(earlier)
+        first_batch = max((r["batch"] + 1 for r in earlier), default=0)
         prefix = pre_query_ids(model.tokenizer, CATEGORIES[category])
-        kept = 0
-        for batch in range(limit):
+        for batch in range(first_batch, limit):
             if kept >= per_category:
                 break
             draws = range(batch * batch_size, (batch + 1) * batch_size)
@@ -124,16 +134,20 @@ def magpie_prompts(
                 model, [prefix] * batch_size, max_new_tokens=config.max_new_tokens, sampling=sampling,
                 seed=seed * 1000 + c_index, request_ids=list(draws),
             )  # fmt: skip
+            new = []
             for draw, completion in zip(draws, completions, strict=True):
+                if kept + len(new) >= per_category:
+                    break
                 if config.require_stop and completion.finish_reason != "stop":
                     continue
                 text = clean_turn(completion.text, config)
                 if text is None or seen.contains(text):  # exact or near duplicate (or excluded)
                     continue
                 seen.add(text)
-                rows.append({"id": f"magpie-{category}-s{seed}-{draw}", "category": f"magpie_{category}",
-                             "prompt": text})  # fmt: skip
-                kept += 1
-                if kept >= per_category:
-                    break
+                new.append({"id": f"magpie-{category}-s{seed}-{draw}", "category": f"magpie_{category}",
+                            "prompt": text, "batch": batch})  # fmt: skip
+            kept += len(new)
+            rows.extend(new)
+            if on_batch is not None:
+                on_batch(new)
     return rows
