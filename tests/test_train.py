@@ -428,3 +428,41 @@ def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
     assert list(data.rows())[:6] == rows
     assert not (tmp_path / "work" / "distill.jsonl").exists()
     assert FeatureStore.open(tmp_path / "work" / "features").num_sequences == 8
+
+
+def test_validation_split_holds_out_non_templated_sequences():
+    from jaxspec.train.trainer import validation_split
+
+    ids = [f"s{i}" for i in range(400)]
+    categories = ["coding" if i % 2 else "magpie_code" for i in range(400)]
+    train_idx, val_idx = validation_split(ids, categories, 0.1)
+    assert sorted(train_idx + val_idx) == list(range(400)) and not set(train_idx) & set(val_idx)
+    assert all(categories[i] == "magpie_code" for i in val_idx) and 8 <= len(val_idx) <= 35
+    assert validation_split(ids[::-1], categories[::-1], 0.1)[1] == sorted(399 - i for i in val_idx)
+    _, only_templated = validation_split(ids, ["coding"] * 400, 0.1)
+    assert only_templated  # no non-templated sequences: held out from all
+
+
+def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_path):
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective
+    from jaxspec.train.trainer import SubsetSource, TrainConfig, split_trainable, tau_proxy, train
+
+    config = head_config_for("medusa", tiny_model.config, depth=2)
+    head = new_head(config, seed=0)
+    trainable, head_fixed = split_trainable(head.params)
+    objective = Objective(
+        head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=2, num_positions=8
+    )
+    train_config = TrainConfig(steps=40, batch_size=8, learning_rate=LEARNING_RATE, warmup_steps=5, log_every=5,
+                               checkpoint_every=40, eval_every=20, eval_batches=1)  # fmt: skip
+    result = train(
+        objective, {"head": trainable}, {"target": tiny_model.params, "head_fixed": head_fixed},
+        SubsetSource(store, tuple(range(24))), tmp_path / "run", train_config, progress=False,
+        validation=SubsetSource(store, tuple(range(24, 32))),
+    )  # fmt: skip
+    validated = [e for e in result.metrics if "val_depth_acc" in e]
+    assert [e["step"] for e in validated] == [20, 40]
+    assert validated[-1]["val_depth_acc"][0] > validated[0]["val_depth_acc"][0]
+    assert validated[-1]["val_tau_proxy"] == pytest.approx(tau_proxy(validated[-1]["val_depth_acc"]))
+    assert tau_proxy([0.5, 0.5]) == pytest.approx(1.75)

@@ -76,6 +76,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--keep-checkpoints", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--val-fraction", type=float, default=0.0,
+        help="hold out this fraction of the non-templated sequences (Magpie, derived) for validation",
+    )  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=100, help="validation interval in steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue training from the latest checkpoint")
     p.add_argument("--save-dtype", default="bfloat16")
@@ -239,10 +244,19 @@ def run(args: argparse.Namespace) -> int:
             weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed,
             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
             log_every=args.log_every,
-            window=args.window,
+            window=args.window, eval_every=args.eval_every,
         )  # fmt: skip
         online = args.feature_mode == "online" or args.backbone_weight > 0
         source = OnlineSource(rows, args.max_len) if online else FeatureStore.open(store_path)
+        validation = None
+        if args.val_fraction > 0:
+            from jaxspec.train.trainer import SubsetSource, validation_split
+
+            category = {r["id"]: r.get("category", "") for r in rows}
+            ids = [r["id"] for r in rows] if online else list(source.meta["ids"])[: source.num_sequences]
+            train_idx, val_idx = validation_split(ids, [category.get(i, "") for i in ids], args.val_fraction)
+            source, validation = SubsetSource(source, tuple(train_idx)), SubsetSource(source, tuple(val_idx))
+            print(f"validation: {len(val_idx)} held-out sequences, {len(train_idx)} for training")
         params = {"head": trainable}
         if args.backbone_weight > 0:
             params["backbone"] = model.params
@@ -251,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
             objective, params, {"target": model.params, "head_fixed": head_fixed}, source,
             workdir / f"run_{args.method}", train_config, online=online,
             resume=args.resume or "train" not in stages, progress=progress,
-            stop_after=None if "train" in stages else 0,
+            stop_after=None if "train" in stages else 0, validation=validation,
         )  # fmt: skip
         timings["train_s"] = time.perf_counter() - t0
         last = result.metrics[-1] if result.metrics else {}
