@@ -454,8 +454,8 @@ def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_p
     objective = Objective(
         head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=2, num_positions=8
     )
-    train_config = TrainConfig(steps=40, batch_size=8, learning_rate=LEARNING_RATE, warmup_steps=5, log_every=5,
-                               checkpoint_every=40, eval_every=20, eval_batches=1)  # fmt: skip
+    train_config = TrainConfig(steps=40, batch_size=8, learning_rate=LEARNING_RATE, warmup_steps=5,
+                               log_every=5, checkpoint_every=40, eval_every=20, eval_batches=1)  # fmt: skip
     result = train(
         objective, {"head": trainable}, {"target": tiny_model.params, "head_fixed": head_fixed},
         SubsetSource(store, tuple(range(24))), tmp_path / "run", train_config, progress=False,
@@ -466,3 +466,48 @@ def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_p
     assert validated[-1]["val_depth_acc"][0] > validated[0]["val_depth_acc"][0]
     assert validated[-1]["val_tau_proxy"] == pytest.approx(tau_proxy(validated[-1]["val_depth_acc"]))
     assert tau_proxy([0.5, 0.5]) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "eagle"])
+def test_heads_started_from_the_target_compute_its_last_layer(tiny_model, method):
+    """init_from_target: the head's decoder layer reproduces the target's last layer on its hidden
+    input (EAGLE-3's embedding half zeroed for the check), EAGLE-3's draft LM head gives the target's
+    logits on the draft vocabulary."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxspec.forward import lm_logits
+    from jaxspec.models.heads.layers import causal_visible, empty_cache_inputs, rope_for
+    from jaxspec.models.heads.mtp import module_params
+    from jaxspec.train.features import target_features
+    from jaxspec.train.head_setup import head_config_for, init_from_target, new_head
+
+    config = head_config_for(method, tiny_model.config, depth=2, draft_vocab_size=64, eagle3_layers=(0, 1, 1))
+    head = init_from_target(new_head(config, seed=0, draft_ids=np.arange(0, 256, 4)), tiny_model.graphdef,
+                            tiny_model.params)  # fmt: skip
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, VOCAB, (2, 12)), jnp.int32)
+    hidden, layers = target_features(tiny_model.graphdef, tiny_model.params, tokens, config=tiny_model.config,
+                                     capture_layers=(0, 1))  # fmt: skip
+    d = tiny_model.config.hidden_size
+    x_in, x_out = layers[..., :d], layers[..., d:]
+    module = nnx.merge(head.graphdef, module_params(head.params, 0) if method == "mtp" else head.params)
+    layer = module.block if method == "mtp" else module.layer
+    c = config.layer
+    inputs = empty_cache_inputs(2, c.num_kv_heads, c.head_dim, causal_visible(12), x_in.dtype)
+    cos, sin = rope_for(c, jnp.broadcast_to(jnp.arange(12), (2, 12)))
+    if method == "eagle":  # EAGLE-1's layer has no input norm, so it is not the same map: check weights
+        last = nnx.merge(tiny_model.graphdef, tiny_model.params).layers[1]
+        np.testing.assert_array_equal(layer.mlp.down_proj.kernel[...], last.mlp.down_proj.weight[...].T)
+        np.testing.assert_array_equal(layer.self_attn.o_proj.kernel[...], last.self_attn.o_proj.weight[...].T)
+        return
+    if method == "eagle3":
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(layer.self_attn, name)
+            proj.kernel[...] = proj.kernel[...].at[:d].set(0.0)
+        out, _, _ = layer(x_in, cos, sin, inputs, embeddings=jnp.ones_like(x_in))
+        target_rows = lm_logits(tiny_model.graphdef, tiny_model.params, hidden)[..., np.arange(0, 256, 4)]
+        # draft_logits norms its input: feed it the pre-norm output of the last layer.
+        np.testing.assert_allclose(np.asarray(module.draft_logits(x_out)), np.asarray(target_rows), atol=1e-4)
+    else:
+        out, _, _ = layer(x_in, cos, sin, inputs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x_out), atol=1e-4)

@@ -64,6 +64,11 @@ def add_parser(subparsers) -> None:
         help="loss positions per sequence (default: 32; EAGLE-3 all, its draft vocabulary is small)",
     )  # fmt: skip
     p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    p.add_argument(
+        "--init-from-target", choices=("none", "lm-head", "all"), default="none",
+        help="start the head from the target: lm-head = EAGLE-3's draft LM head (the target's rows of the "
+        "draft vocabulary) and final norm; all = also every head decoder layer from the target's last layer",
+    )  # fmt: skip
     p.add_argument("--medusa-layers", type=int, default=1)
     p.add_argument("--mtp-modules", type=int, default=1)
     p.add_argument("--backbone-weight", type=float, default=0.0, help="MTP: >0 trains the target jointly")
@@ -233,6 +238,10 @@ def run(args: argparse.Namespace) -> int:
                 vocab_file.parent.mkdir(parents=True, exist_ok=True)
                 np.save(vocab_file, draft_ids)
         head = new_head(config, seed=args.seed, draft_ids=draft_ids)
+        if args.init_from_target != "none":
+            from jaxspec.train.head_setup import init_from_target
+
+            head = init_from_target(head, model.graphdef, model.params, layers=args.init_from_target == "all")
         trainable, head_fixed = split_trainable(head.params)
         objective = Objective(
             head.graphdef, config, model.graphdef, model.config,
