@@ -41,6 +41,7 @@ def add_parser(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--magpie-per-category", type=int, default=256)
     p.add_argument("--magpie-categories", default="all", help="comma-separated (default all)")
+    p.add_argument("--magpie-max-new-tokens", type=int, default=128, help="budget of a sampled user turn")
     p.add_argument(
         "--dataset",
         help="distilled data set directory (e.g. configs/distilled/smollm2-135m): the distill stage "
@@ -140,13 +141,14 @@ def _derived_rows(args: argparse.Namespace, model, distilled: list[dict]) -> lis
 def _magpie_rows(args: argparse.Namespace, model, workdir: Path) -> list[dict]:
     """Magpie user turns for the distill stage, sampled batch by batch into a resumable cache file."""
     from jaxspec.train.distill import append_jsonl_rows, read_jsonl_rows
-    from jaxspec.train.magpie import CATEGORIES, magpie_prompts
+    from jaxspec.train.magpie import CATEGORIES, MagpieConfig, magpie_prompts
     from jaxspec.train.prompts import load_prompt_texts
 
     names = tuple(CATEGORIES) if args.magpie_categories == "all" else tuple(args.magpie_categories.split(","))
     cache = workdir / f"magpie_s{args.seed}.jsonl"
     return magpie_prompts(
         model, args.magpie_per_category, categories=names, seed=args.seed,
+        config=MagpieConfig(max_new_tokens=args.magpie_max_new_tokens),
         exclude=load_prompt_texts(args.exclude) if args.exclude else [], batch_size=args.gen_batch,
         done=read_jsonl_rows(cache), on_batch=lambda rows: append_jsonl_rows(cache, rows),
     )  # fmt: skip
