@@ -511,3 +511,51 @@ def test_heads_started_from_the_target_compute_its_last_layer(tiny_model, method
     else:
         out, _, _ = layer(x_in, cos, sin, inputs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(x_out), atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["medusa", "mtp"])
+def test_soft_targets_are_the_targets_own_distribution_at_the_label_position(tiny_model, store, method):
+    """soft_weight = 1: the depth-1 loss is the soft CE to softmax(target logits) at the position whose
+    next token is the label; soft_weight = w mixes the hard and soft losses linearly."""
+    import jax.numpy as jnp
+
+    from jaxspec.forward import lm_logits
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective, label_mask, masked_mean, soft_ce
+    from jaxspec.train.trainer import split_trainable
+
+    config = head_config_for(method, tiny_model.config, depth=1)
+    head = new_head(config, seed=0)
+    trainable, head_fixed = split_trainable(head.params)
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+
+    def depth_loss(soft_weight: float) -> float:
+        objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=1,
+                              num_positions=64, soft_weight=soft_weight)  # fmt: skip
+        return float(objective({"head": trainable}, fixed, batch, jax.random.key(0))[1]["depth_loss"][0])
+
+    hard, soft = depth_loss(0.0), depth_loss(1.0)
+    assert depth_loss(0.25) == pytest.approx(0.75 * hard + 0.25 * soft, rel=1e-5)
+    # Hand-built: the head's depth-1 logits at every pair i, against the target at i + 1.
+    hidden, tokens = batch["hidden"], batch["tokens"]
+    n = tokens.shape[1]
+    target = jax.nn.softmax(lm_logits(tiny_model.graphdef, tiny_model.params, hidden), -1)
+    target_next = jnp.concatenate([target[:, 1:], jnp.zeros_like(target[:, :1])], axis=1)
+    if method == "medusa":
+        from jaxspec.models.heads.medusa import medusa_logits
+
+        target_lm = lambda x: lm_logits(tiny_model.graphdef, tiny_model.params, x)  # noqa: E731
+        logits = medusa_logits(head.graphdef, head.params, hidden, target_lm)[:, :, 0]
+    else:
+        from jaxspec.models.heads.mtp import mtp_sequence_forward
+
+        from jaxspec.forward import embed_tokens
+
+        next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], 1)
+        embeddings = embed_tokens(tiny_model.graphdef, tiny_model.params, next_tokens)
+        _, normed = mtp_sequence_forward(head.graphdef, head.params, 0, embeddings, hidden)
+        logits = lm_logits(tiny_model.graphdef, tiny_model.params, normed)
+    expected = masked_mean(soft_ce(logits, target_next), label_mask(batch, 2, n).astype(jnp.float32))
+    assert soft == pytest.approx(float(expected), rel=1e-4)
+    assert soft != pytest.approx(hard, rel=1e-3)

@@ -73,6 +73,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--medusa-layers", type=int, default=1)
     p.add_argument("--mtp-modules", type=int, default=1)
     p.add_argument("--backbone-weight", type=float, default=0.0, help="MTP: >0 trains the target jointly")
+    p.add_argument(
+        "--soft-weight", type=float, default=0.0,
+        help="Medusa/MTP: weight of the soft CE to the target's distribution (1 - it: CE to the token)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -249,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
             head.graphdef, config, model.graphdef, model.config,
             depth=1 if args.method == "eagle" else args.depth,
             num_positions=_num_positions(args), backbone_weight=args.backbone_weight,
+            soft_weight=args.soft_weight,
         )  # fmt: skip
         train_config = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=args.warmup,

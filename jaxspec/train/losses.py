@@ -114,6 +114,9 @@ class Objective:
     depth: draft depths trained (Medusa: its heads; EAGLE-3: TTT steps; MTP: chained modules).
     noise: EAGLE-1 uniform feature noise width (U(-noise/2, noise/2)).
     backbone_weight: MTP only, > 0 trains the target too: main CE + backbone_weight x MTP loss.
+    soft_weight: Medusa and MTP: the loss per depth is (1 - w) x CE to the self-distilled token + w x soft
+      CE to the target's own distribution at that position (KL up to the target's entropy), so the head
+      learns the target's whole distribution, not only its top-1 (EAGLE and EAGLE-3 are soft already).
     """
 
     head_graphdef: nnx.GraphDef
@@ -124,6 +127,7 @@ class Objective:
     num_positions: int = 32
     noise: float = 0.2
     backbone_weight: float = 0.0
+    soft_weight: float = 0.0
 
     @property
     def method(self) -> str:
@@ -166,6 +170,16 @@ class Objective:
             return self._mtp(head_params, batch, key, target_lm, target_embed)
         raise TypeError(f"Objective: unknown head config {config!r}")
 
+    def _mixed_ce(self, logits, labels, hidden, idx, shift, target_lm):
+        """Per-position (loss, top-1 correct) at depth label t_(i + shift): hard CE to the label, mixed with
+        soft CE to the target's distribution at position i + shift - 1 when soft_weight > 0."""
+        ce, correct = hard_ce(logits, labels)
+        if self.soft_weight > 0.0:
+            target = jax.lax.stop_gradient(target_lm(take(shifted(hidden, shift - 1, hidden.shape[1]), idx)))
+            soft = soft_ce(logits, jax.nn.softmax(target.astype(jnp.float32), -1))
+            ce = (1.0 - self.soft_weight) * ce + self.soft_weight * soft
+        return ce, correct
+
     def _medusa(self, params, batch, key, target_lm):
         hidden, tokens = batch["hidden"], batch["tokens"]
         n = hidden.shape[1]
@@ -175,7 +189,7 @@ class Objective:
         for j in range(self.depth):
             labels = take(shifted(tokens, 2 + j, n), idx)
             w = weight * take(label_mask(batch, 2 + j, n), idx)
-            ce, correct = hard_ce(logits[:, :, j], labels)
+            ce, correct = self._mixed_ce(logits[:, :, j], labels, hidden, idx, 2 + j, target_lm)
             losses.append(masked_mean(ce, w))
             accs.append(masked_mean(correct, w))
         depth_loss = jnp.stack(losses)
@@ -285,7 +299,8 @@ class Objective:
             h, normed, _, _ = mtp_module_forward(
                 self.head_graphdef, params, module, embeddings, h, positions, inputs
             )
-            ce, correct = hard_ce(target_lm(take(normed, idx)), take(shifted(tokens, s + 2, n), idx))
+            labels = take(shifted(tokens, s + 2, n), idx)
+            ce, correct = self._mixed_ce(target_lm(take(normed, idx)), labels, hidden, idx, s + 2, target_lm)
             w = weight * take(label_mask(batch, s + 2, n), idx)
             losses.append(masked_mean(ce, w))
             accs.append(masked_mean(correct, w))
