@@ -548,9 +548,8 @@ def test_soft_targets_are_the_targets_own_distribution_at_the_label_position(tin
         target_lm = lambda x: lm_logits(tiny_model.graphdef, tiny_model.params, x)  # noqa: E731
         logits = medusa_logits(head.graphdef, head.params, hidden, target_lm)[:, :, 0]
     else:
-        from jaxspec.models.heads.mtp import mtp_sequence_forward
-
         from jaxspec.forward import embed_tokens
+        from jaxspec.models.heads.mtp import mtp_sequence_forward
 
         next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], 1)
         embeddings = embed_tokens(tiny_model.graphdef, tiny_model.params, next_tokens)
