@@ -15,3 +15,7 @@ class InputError(JaxspecError):
 
 class TemplateError(JaxspecError):
     """A chat template failed to render or tried to escape the sandbox."""
+
+
+class DatasetError(JaxspecError):
+    """A distilled data set (manifest or shard) is corrupt, truncated or of another model."""

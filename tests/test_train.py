@@ -344,3 +344,217 @@ def test_kill_during_feature_writing_and_distillation_loses_nothing(tiny, tiny_m
     resumed_rows = distill(tiny_model, prompts, out, max_new_tokens=8, batch_size=2, progress=False)
     assert [r["id"] for r in resumed_rows] == [r["id"] for r in prompts]
     assert resumed_rows == reference
+
+
+def test_eagle3_position_mask_drops_exactly_the_targets_outside_the_draft_vocabulary(tiny_model, store):
+    """EAGLE-3's loss counts a pair only where the target's full-vocabulary argmax is in the draft
+    vocabulary: changing the target distribution at the other positions leaves the loss unchanged, at
+    a counted position it changes it; the stored argmax and the LM-head fallback give the same loss."""
+    import jax.numpy as jnp
+
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective
+    from jaxspec.train.trainer import split_trainable
+
+    config = head_config_for(
+        "eagle3", tiny_model.config, depth=1, draft_vocab_size=64, eagle3_layers=(0, 1, 1)
+    )
+    draft_ids = np.arange(0, 256, 4)
+    head = new_head(config, seed=0, draft_ids=draft_ids)
+    trainable, head_fixed = split_trainable(head.params)
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=1,
+                          num_positions=64)  # fmt: skip
+    loss = jax.jit(lambda batch: objective({"head": trainable}, fixed, batch, jax.random.key(0))[0])
+    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+    assert "argmax" in batch
+    np.testing.assert_array_equal(  # the stored argmax is the target's own
+        np.asarray(batch["argmax"][0, :24]),
+        np.argmax(tiny_model.logits(np.asarray(batch["tokens"][0, :24])), -1),
+    )
+    base = float(loss(batch))
+    without_stored = {k: v for k, v in batch.items() if k != "argmax"}
+    np.testing.assert_allclose(float(loss(without_stored)), base, rtol=1e-6)
+
+    # Pair i's target is the distribution at position i + 1; counted pairs are response labels.
+    argmax = np.asarray(batch["argmax"])
+    starts, lengths = np.asarray(batch["starts"]), np.asarray(batch["lengths"])
+    in_vocab = np.isin(argmax, draft_ids)
+    response = (np.arange(argmax.shape[1])[None] >= starts[:, None] + 1) & (
+        np.arange(argmax.shape[1])[None] < lengths[:, None]
+    )
+    outside = np.argwhere(response & ~in_vocab)
+    inside = np.argwhere(response & in_vocab)
+    assert len(outside) > 10 and len(inside) > 10  # the batch has both kinds
+
+    def perturbed(positions) -> dict:
+        hidden = np.asarray(batch["hidden"]).copy()
+        rng = np.random.default_rng(0)
+        for b, p in positions:
+            hidden[b, p] += rng.normal(0, 3.0, hidden.shape[-1])
+        return dict(batch, hidden=jnp.asarray(hidden))  # the stored argmax stays the target's
+
+    np.testing.assert_allclose(float(loss(perturbed(outside))), base, rtol=1e-6)
+    assert abs(float(loss(perturbed(inside[:5]))) - base) > 1e-4
+
+
+def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
+    from jaxspec.cli import main
+    from jaxspec.train.dataset import DistilledDataset
+    from jaxspec.train.distill import append_jsonl_rows
+    from jaxspec.train.features import FeatureStore
+
+    rng = np.random.default_rng(3)
+    prompts = [{"id": f"p{i}", "prompt": f"prompt {i}", "prompt_ids": rng.integers(1, VOCAB, 5).tolist()}
+               for i in range(8)]  # fmt: skip
+    append_jsonl_rows(tmp_path / "prompts.jsonl", prompts)
+
+    def cli(num_prompts: int, stages: str) -> int:
+        return main([
+            "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(tmp_path / "work"),
+            "--dataset", str(tmp_path / "ds"), "--prompts", str(tmp_path / "prompts.jsonl"),
+            "--num-prompts", str(num_prompts), "--stages", stages, "--max-new-tokens", "6",
+            "--gen-batch", "4", "--max-len", "16", "--feature-batch", "4", "--no-progress",
+        ])  # fmt: skip
+
+    assert cli(6, "distill") == 0
+    rows = list(DistilledDataset.open(tmp_path / "ds").rows())
+    assert [r["id"] for r in sorted(rows, key=lambda r: r["id"])] == [f"p{i}" for i in range(6)]
+    assert all(r["prompt_ids"] == prompts[int(r["id"][1:])]["prompt_ids"] for r in rows)
+    assert all(1 <= len(r["response_ids"]) <= 6 for r in rows)
+    assert cli(8, "distill,features") == 0  # the same run goes on: two more prompts
+    data = DistilledDataset.open(tmp_path / "ds")
+    assert data.num_records() == 8 and len(data.manifest["runs"]) == 1
+    assert list(data.rows())[:6] == rows
+    assert not (tmp_path / "work" / "distill.jsonl").exists()
+    assert FeatureStore.open(tmp_path / "work" / "features").num_sequences == 8
+
+
+def test_validation_split_holds_out_non_templated_sequences():
+    from jaxspec.train.trainer import validation_split
+
+    ids = [f"s{i}" for i in range(400)]
+    categories = ["coding" if i % 2 else "magpie_code" for i in range(400)]
+    train_idx, val_idx = validation_split(ids, categories, 0.1)
+    assert sorted(train_idx + val_idx) == list(range(400)) and not set(train_idx) & set(val_idx)
+    assert all(categories[i] == "magpie_code" for i in val_idx) and 8 <= len(val_idx) <= 35
+    assert validation_split(ids[::-1], categories[::-1], 0.1)[1] == sorted(399 - i for i in val_idx)
+    _, only_templated = validation_split(ids, ["coding"] * 400, 0.1)
+    assert only_templated  # no non-templated sequences: held out from all
+
+
+def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_path):
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective
+    from jaxspec.train.trainer import SubsetSource, TrainConfig, split_trainable, tau_proxy, train
+
+    config = head_config_for("medusa", tiny_model.config, depth=2)
+    head = new_head(config, seed=0)
+    trainable, head_fixed = split_trainable(head.params)
+    objective = Objective(
+        head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=2, num_positions=8
+    )
+    train_config = TrainConfig(steps=40, batch_size=8, learning_rate=LEARNING_RATE, warmup_steps=5,
+                               log_every=5, checkpoint_every=40, eval_every=20, eval_batches=1)  # fmt: skip
+    result = train(
+        objective, {"head": trainable}, {"target": tiny_model.params, "head_fixed": head_fixed},
+        SubsetSource(store, tuple(range(24))), tmp_path / "run", train_config, progress=False,
+        validation=SubsetSource(store, tuple(range(24, 32))),
+    )  # fmt: skip
+    validated = [e for e in result.metrics if "val_depth_acc" in e]
+    assert [e["step"] for e in validated] == [20, 40]
+    assert validated[-1]["val_depth_acc"][0] > validated[0]["val_depth_acc"][0]
+    assert validated[-1]["val_tau_proxy"] == pytest.approx(tau_proxy(validated[-1]["val_depth_acc"]))
+    assert tau_proxy([0.5, 0.5]) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "eagle"])
+def test_heads_started_from_the_target_compute_its_last_layer(tiny_model, method):
+    """init_from_target: the head's decoder layer reproduces the target's last layer on its hidden
+    input (EAGLE-3's embedding half zeroed for the check), EAGLE-3's draft LM head gives the target's
+    logits on the draft vocabulary."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxspec.forward import lm_logits
+    from jaxspec.models.heads.layers import causal_visible, empty_cache_inputs, rope_for
+    from jaxspec.models.heads.mtp import module_params
+    from jaxspec.train.features import target_features
+    from jaxspec.train.head_setup import head_config_for, init_from_target, new_head
+
+    config = head_config_for(method, tiny_model.config, depth=2, draft_vocab_size=64, eagle3_layers=(0, 1, 1))
+    head = init_from_target(new_head(config, seed=0, draft_ids=np.arange(0, 256, 4)), tiny_model.graphdef,
+                            tiny_model.params)  # fmt: skip
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, VOCAB, (2, 12)), jnp.int32)
+    hidden, layers = target_features(tiny_model.graphdef, tiny_model.params, tokens, config=tiny_model.config,
+                                     capture_layers=(0, 1))  # fmt: skip
+    d = tiny_model.config.hidden_size
+    x_in, x_out = layers[..., :d], layers[..., d:]
+    module = nnx.merge(head.graphdef, module_params(head.params, 0) if method == "mtp" else head.params)
+    layer = module.block if method == "mtp" else module.layer
+    c = config.layer
+    inputs = empty_cache_inputs(2, c.num_kv_heads, c.head_dim, causal_visible(12), x_in.dtype)
+    cos, sin = rope_for(c, jnp.broadcast_to(jnp.arange(12), (2, 12)))
+    if method == "eagle":  # EAGLE-1's layer has no input norm, so it is not the same map: check weights
+        last = nnx.merge(tiny_model.graphdef, tiny_model.params).layers[1]
+        np.testing.assert_array_equal(layer.mlp.down_proj.kernel[...], last.mlp.down_proj.weight[...].T)
+        np.testing.assert_array_equal(layer.self_attn.o_proj.kernel[...], last.self_attn.o_proj.weight[...].T)
+        return
+    if method == "eagle3":
+        for name in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(layer.self_attn, name)
+            proj.kernel[...] = proj.kernel[...].at[:d].set(0.0)
+        out, _, _ = layer(x_in, cos, sin, inputs, embeddings=jnp.ones_like(x_in))
+        target_rows = lm_logits(tiny_model.graphdef, tiny_model.params, hidden)[..., np.arange(0, 256, 4)]
+        # draft_logits norms its input: feed it the pre-norm output of the last layer.
+        np.testing.assert_allclose(np.asarray(module.draft_logits(x_out)), np.asarray(target_rows), atol=1e-4)
+    else:
+        out, _, _ = layer(x_in, cos, sin, inputs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x_out), atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["medusa", "mtp"])
+def test_soft_targets_are_the_targets_own_distribution_at_the_label_position(tiny_model, store, method):
+    """soft_weight = 1: the depth-1 loss is the soft CE to softmax(target logits) at the position whose
+    next token is the label; soft_weight = w mixes the hard and soft losses linearly."""
+    import jax.numpy as jnp
+
+    from jaxspec.forward import lm_logits
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective, label_mask, masked_mean, soft_ce
+    from jaxspec.train.trainer import split_trainable
+
+    config = head_config_for(method, tiny_model.config, depth=1)
+    head = new_head(config, seed=0)
+    trainable, head_fixed = split_trainable(head.params)
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+
+    def depth_loss(soft_weight: float) -> float:
+        objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=1,
+                              num_positions=64, soft_weight=soft_weight)  # fmt: skip
+        return float(objective({"head": trainable}, fixed, batch, jax.random.key(0))[1]["depth_loss"][0])
+
+    hard, soft = depth_loss(0.0), depth_loss(1.0)
+    assert depth_loss(0.25) == pytest.approx(0.75 * hard + 0.25 * soft, rel=1e-5)
+    # Hand-built: the head's depth-1 logits at every pair i, against the target at i + 1.
+    hidden, tokens = batch["hidden"], batch["tokens"]
+    n = tokens.shape[1]
+    target = jax.nn.softmax(lm_logits(tiny_model.graphdef, tiny_model.params, hidden), -1)
+    target_next = jnp.concatenate([target[:, 1:], jnp.zeros_like(target[:, :1])], axis=1)
+    if method == "medusa":
+        from jaxspec.models.heads.medusa import medusa_logits
+
+        target_lm = lambda x: lm_logits(tiny_model.graphdef, tiny_model.params, x)  # noqa: E731
+        logits = medusa_logits(head.graphdef, head.params, hidden, target_lm)[:, :, 0]
+    else:
+        from jaxspec.forward import embed_tokens
+        from jaxspec.models.heads.mtp import mtp_sequence_forward
+
+        next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], 1)
+        embeddings = embed_tokens(tiny_model.graphdef, tiny_model.params, next_tokens)
+        _, normed = mtp_sequence_forward(head.graphdef, head.params, 0, embeddings, hidden)
+        logits = lm_logits(tiny_model.graphdef, tiny_model.params, normed)
+    expected = masked_mean(soft_ce(logits, target_next), label_mask(batch, 2, n).astype(jnp.float32))
+    assert soft == pytest.approx(float(expected), rel=1e-4)
+    assert soft != pytest.approx(hard, rel=1e-3)

@@ -5,7 +5,10 @@ train stage after a kill). Work files live in --workdir and are shared by all me
   distill.jsonl     the target's own responses to the training prompts
   features/         tensorstore feature store (final hidden + EAGLE-3 layers)
   run_<method>/     Orbax checkpoints, metrics.jsonl, curves.png
-The exported head goes to --output (`SpecConfig(method=..., head=OUTPUT)`).
+  magpie_s<seed>.jsonl  user turns sampled by the model (--prompt-source magpie), resumable
+With --dataset DIR the distilled responses go to (and are read from) a repository data set
+(`jaxspec.train.dataset`: compact shards + manifest) instead of distill.jsonl, so they outlive the
+machine and grow run by run. The exported head goes to --output (`SpecConfig(method=..., head=OUTPUT)`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--output", help="exported head directory (default WORKDIR/head_<method>)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--prompts", help="JSONL of {id, prompt} (default: jaxspec's own training prompt set)")
+    p.add_argument(
+        "--prompt-source", choices=("templated", "magpie"), default="templated",
+        help="templated: jaxspec's task x topic set (or --prompts); magpie: user turns written by the "
+        "model itself (--magpie-per-category per category), cached in WORKDIR/magpie_s<seed>.jsonl",
+    )  # fmt: skip
+    p.add_argument("--magpie-per-category", type=int, default=256)
+    p.add_argument("--magpie-categories", default="all", help="comma-separated (default all)")
+    p.add_argument("--magpie-max-new-tokens", type=int, default=128, help="budget of a sampled user turn")
+    p.add_argument(
+        "--dataset",
+        help="distilled data set directory (e.g. configs/distilled/smollm2-135m): the distill stage "
+        "appends a run to it, the later stages train on all of it (instead of WORKDIR/distill.jsonl)",
+    )  # fmt: skip
     p.add_argument("--exclude", help="JSONL whose prompts must not be trained on (e.g. a dev set)")
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument(
@@ -49,9 +65,18 @@ def add_parser(subparsers) -> None:
         help="loss positions per sequence (default: 32; EAGLE-3 all, its draft vocabulary is small)",
     )  # fmt: skip
     p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    p.add_argument(
+        "--init-from-target", choices=("none", "lm-head", "all"), default="none",
+        help="start the head from the target: lm-head = EAGLE-3's draft LM head (the target's rows of the "
+        "draft vocabulary) and final norm; all = also every head decoder layer from the target's last layer",
+    )  # fmt: skip
     p.add_argument("--medusa-layers", type=int, default=1)
     p.add_argument("--mtp-modules", type=int, default=1)
     p.add_argument("--backbone-weight", type=float, default=0.0, help="MTP: >0 trains the target jointly")
+    p.add_argument(
+        "--soft-weight", type=float, default=0.0,
+        help="Medusa/MTP: weight of the soft CE to the target's distribution (1 - it: CE to the token)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -61,6 +86,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--keep-checkpoints", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument(
+        "--val-fraction", type=float, default=0.0,
+        help="hold out this fraction of the non-templated sequences (Magpie, derived) for validation",
+    )  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=100, help="validation interval in steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue training from the latest checkpoint")
     p.add_argument("--save-dtype", default="bfloat16")
@@ -112,6 +142,22 @@ def _derived_rows(args: argparse.Namespace, model, distilled: list[dict]) -> lis
     return rows
 
 
+def _magpie_rows(args: argparse.Namespace, model, workdir: Path) -> list[dict]:
+    """Magpie user turns for the distill stage, sampled batch by batch into a resumable cache file."""
+    from jaxspec.train.distill import append_jsonl_rows, read_jsonl_rows
+    from jaxspec.train.magpie import CATEGORIES, MagpieConfig, magpie_prompts
+    from jaxspec.train.prompts import load_prompt_texts
+
+    names = tuple(CATEGORIES) if args.magpie_categories == "all" else tuple(args.magpie_categories.split(","))
+    cache = workdir / f"magpie_s{args.seed}.jsonl"
+    return magpie_prompts(
+        model, args.magpie_per_category, categories=names, seed=args.seed,
+        config=MagpieConfig(max_new_tokens=args.magpie_max_new_tokens),
+        exclude=load_prompt_texts(args.exclude) if args.exclude else [], batch_size=args.gen_batch,
+        done=read_jsonl_rows(cache), on_batch=lambda rows: append_jsonl_rows(cache, rows),
+    )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -130,25 +176,38 @@ def run(args: argparse.Namespace) -> int:
     model = jaxspec.load(args.model)
     timings: dict[str, float] = {}
 
+    dataset = None
+    if args.dataset:
+        from jaxspec.train.dataset import DistilledDataset
+
+        dataset = DistilledDataset.open_or_create(
+            args.dataset, model=args.model, vocab_size=model.config.vocab_size
+        )
     start = time.perf_counter()
     if "distill" in stages:
+        sink = workdir / "distill.jsonl"
+        if dataset is not None:
+            sink = dataset.writer(
+                prompt_source=args.prompt_source, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                derived_prompts=args.derived_prompts, sampling="greedy",
+            )  # fmt: skip
+        prompts = _magpie_rows(args, model, workdir) if args.prompt_source == "magpie" else _prompt_rows(args)
         distilled = distill(
-            model, _prompt_rows(args), workdir / "distill.jsonl", max_new_tokens=args.max_new_tokens,
-            batch_size=args.gen_batch, seed=args.seed, progress=progress,
+            model, prompts, sink, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
+            seed=args.seed, progress=progress,
         )  # fmt: skip
         if args.derived_prompts > 0:
             distill(
-                model, _derived_rows(args, model, distilled), workdir / "distill.jsonl",
-                max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, seed=args.seed,
-                progress=progress,
+                model, _derived_rows(args, model, distilled), sink, max_new_tokens=args.max_new_tokens,
+                batch_size=args.gen_batch, seed=args.seed, progress=progress,
             )  # fmt: skip
+        if dataset is not None:
+            sink.finish()
         timings["distill_s"] = time.perf_counter() - start
-    rows = read_jsonl_rows(workdir / "distill.jsonl")
+    source = dataset.path if dataset is not None else workdir / "distill.jsonl"
+    rows = list(dataset.rows()) if dataset is not None else read_jsonl_rows(source)
     if not rows:
-        print(
-            f"jaxspec train: no distilled data in {workdir / 'distill.jsonl'} (run the distill stage)",
-            file=sys.stderr,
-        )
+        print(f"jaxspec train: no distilled data in {source} (run the distill stage)", file=sys.stderr)
         return 2
 
     from jaxspec.models.heads.configs import default_eagle3_layers
@@ -185,21 +244,35 @@ def run(args: argparse.Namespace) -> int:
                 vocab_file.parent.mkdir(parents=True, exist_ok=True)
                 np.save(vocab_file, draft_ids)
         head = new_head(config, seed=args.seed, draft_ids=draft_ids)
+        if args.init_from_target != "none":
+            from jaxspec.train.head_setup import init_from_target
+
+            head = init_from_target(head, model.graphdef, model.params, layers=args.init_from_target == "all")
         trainable, head_fixed = split_trainable(head.params)
         objective = Objective(
             head.graphdef, config, model.graphdef, model.config,
             depth=1 if args.method == "eagle" else args.depth,
             num_positions=_num_positions(args), backbone_weight=args.backbone_weight,
+            soft_weight=args.soft_weight,
         )  # fmt: skip
         train_config = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=args.warmup,
             weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed,
             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
             log_every=args.log_every,
-            window=args.window,
+            window=args.window, eval_every=args.eval_every,
         )  # fmt: skip
         online = args.feature_mode == "online" or args.backbone_weight > 0
         source = OnlineSource(rows, args.max_len) if online else FeatureStore.open(store_path)
+        validation = None
+        if args.val_fraction > 0:
+            from jaxspec.train.trainer import SubsetSource, validation_split
+
+            category = {r["id"]: r.get("category", "") for r in rows}
+            ids = [r["id"] for r in rows] if online else list(source.meta["ids"])[: source.num_sequences]
+            train_idx, val_idx = validation_split(ids, [category.get(i, "") for i in ids], args.val_fraction)
+            source, validation = SubsetSource(source, tuple(train_idx)), SubsetSource(source, tuple(val_idx))
+            print(f"validation: {len(val_idx)} held-out sequences, {len(train_idx)} for training")
         params = {"head": trainable}
         if args.backbone_weight > 0:
             params["backbone"] = model.params
@@ -208,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
             objective, params, {"target": model.params, "head_fixed": head_fixed}, source,
             workdir / f"run_{args.method}", train_config, online=online,
             resume=args.resume or "train" not in stages, progress=progress,
-            stop_after=None if "train" in stages else 0,
+            stop_after=None if "train" in stages else 0, validation=validation,
         )  # fmt: skip
         timings["train_s"] = time.perf_counter() - t0
         last = result.metrics[-1] if result.metrics else {}

@@ -5,6 +5,8 @@ already written, so a kill loses at most the batch in flight. A torn last line (
 cut off on resume.
 
 Row: {"id", "category", "prompt", "prompt_ids": [int], "response_ids": [int], "finish_reason"}.
+The output may instead be a run of the repository's distilled data set (`jaxspec.train.dataset`): same
+rows, compact token shards, the same skip-what-is-done resume.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jaxspec.config import SamplingParams
+from jaxspec.train.dataset import DatasetWriter
 
 
 def read_jsonl_rows(path: str | Path, repair: bool = True) -> list[dict]:
@@ -74,7 +77,7 @@ def chat_prompt_ids(model, prompt: str) -> list[int]:
 def distill(
     model,
     prompts: Sequence[dict],
-    output: str | Path,
+    output: str | Path | DatasetWriter,
     *,
     max_new_tokens: int = 128,
     batch_size: int = 16,
@@ -89,11 +92,17 @@ def distill(
     the chat template. Resumable: ids already in `output` are skipped. Returns all rows of `output`
     afterwards.
     Prompts are processed in the given order (batches of `batch_size`, one compiled program per
-    bucket); greedy by default, which matches how the heads are benchmarked.
+    bucket); greedy by default, which matches how the heads are benchmarked. `output` is a JSONL path or
+    a data set run (`DistilledDataset.writer`), whose whole data set's ids count as done.
     """
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    done = {row["id"] for row in read_jsonl_rows(output)}
+    if isinstance(output, DatasetWriter):
+        done = output.dataset.ids()
+        append, read_all = output.append, lambda: list(output.dataset.rows())
+    else:
+        output = Path(output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        done = {row["id"] for row in read_jsonl_rows(output)}
+        append, read_all = (lambda rows: append_jsonl_rows(output, rows)), (lambda: read_jsonl_rows(output))
     todo = [p for p in prompts if p["id"] not in done]
     from jaxspec.buckets import length_bucket
     from jaxspec.generation import generate, request_id_from_string
@@ -128,10 +137,10 @@ def distill(
             }  # fmt: skip
             for p, pid, c in zip(batch, ids, completions, strict=True)
         ]
-        append_jsonl_rows(output, rows)
+        append(rows)
         bar.update(len(batch))
         bar.set_postfix(
             tok_s=f"{sum(len(c.token_ids) for c in completions) / (time.perf_counter() - t0):.0f}"
         )
     bar.close()
-    return read_jsonl_rows(output)
+    return read_all()

@@ -6,7 +6,9 @@ Store layout (one directory), sequences padded to `max_len` along the token axis
   starts   [N]            int32  first response position (loss is taken on positions >= start - 1)
   hidden   [N, L, d]      post-norm final hidden state of the target (EAGLE-1 features, Medusa input)
   layers   [N, L, k * d]  outputs of the captured decoder layers, concatenated (EAGLE-3 input), if k > 0
-  meta.json               {"num_committed", "max_len", "capture_layers", "dtype", "ids"}
+  argmax   [N, L]         int32  the target's top token over its full vocabulary at each position (EAGLE-3's
+                          position mask), in stores written with it (meta "argmax": true)
+  meta.json               {"num_committed", "max_len", "capture_layers", "dtype", "ids", "argmax"}
 Chunks are one sequence each, so appending is a metadata resize plus new chunk files. `meta.json` is
 replaced atomically after every batch's writes have completed: rows past num_committed (a batch in
 flight when the writer was killed) are ignored and rewritten on resume; nothing committed is lost.
@@ -33,7 +35,7 @@ from tqdm import tqdm
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
-from jaxspec.forward import causal_mask, model_forward
+from jaxspec.forward import causal_mask, lm_logits, model_forward
 
 META = "meta.json"
 
@@ -69,8 +71,20 @@ def target_features(
     return jax.lax.stop_gradient(hidden), None if layers is None else jax.lax.stop_gradient(layers)
 
 
-_jit_target_features = jax.jit(
-    target_features, static_argnames=("graphdef", "config", "capture_layers", "stop_gradient")
+def target_features_and_argmax(
+    graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, *, config: ModelConfig,
+    capture_layers: tuple[int, ...], cache: KVCache,
+) -> tuple[jax.Array, jax.Array | None, jax.Array]:  # fmt: skip
+    """`target_features` plus the target's argmax over its full vocabulary at every position [B, L]."""
+    hidden, layers = target_features(
+        graphdef, params, tokens, config=config, capture_layers=capture_layers, cache=cache
+    )
+    argmax = jax.lax.map(lambda h: jnp.argmax(lm_logits(graphdef, params, h), -1), hidden)
+    return hidden, layers, argmax.astype(jnp.int32)
+
+
+_jit_features_and_argmax = jax.jit(
+    target_features_and_argmax, static_argnames=("graphdef", "config", "capture_layers")
 )
 
 
@@ -135,10 +149,11 @@ class FeatureStore:
         }  # fmt: skip
         if capture_layers:
             shapes["layers"] = (dtype, (0, max_len, hidden_size * len(capture_layers)))
+        shapes["argmax"] = ("int32", (0, max_len))
         for name, (dt, shape) in shapes.items():
             ts.open(_spec(path, name, dt, shape, True), create=True, delete_existing=True).result()
         meta = {"num_committed": 0, "max_len": max_len, "capture_layers": list(capture_layers),
-                "dtype": dtype, "ids": []}  # fmt: skip
+                "dtype": dtype, "ids": [], "argmax": True}  # fmt: skip
         _write_meta(path, meta)
         return cls.open(path)
 
@@ -147,6 +162,7 @@ class FeatureStore:
         path = Path(path)
         meta = json.loads((path / META).read_text())
         names = ["tokens", "lengths", "starts", "hidden"] + (["layers"] if meta["capture_layers"] else [])
+        names += ["argmax"] if meta.get("argmax") else []
         arrays = {name: ts.open(_spec(path, name, "", (), False)).result() for name in names}
         return cls(path=path, meta=meta, arrays=arrays)
 
@@ -212,7 +228,7 @@ def write_features(
     todo = [r for r in rows if r["id"] not in done]
     empty = KVCache.zeros(model.config, batch_size, max_len, model.dtype)
     run = functools.partial(
-        _jit_target_features, model.graphdef, model.params, config=model.config,
+        _jit_features_and_argmax, model.graphdef, model.params, config=model.config,
         capture_layers=capture_layers, cache=empty,
     )  # fmt: skip
     for start in tqdm(range(0, len(todo), batch_size), desc="features", disable=not progress):
@@ -221,8 +237,10 @@ def write_features(
         tokens = packed["tokens"]
         if len(chunk) < batch_size:  # keep one compiled shape
             tokens = np.concatenate([tokens, np.zeros((batch_size - len(chunk), max_len), np.int32)])
-        hidden, layers = jax.device_get(run(jnp.asarray(tokens)))
+        hidden, layers, argmax = jax.device_get(run(jnp.asarray(tokens)))
         packed["hidden"] = hidden[: len(chunk)]
+        if "argmax" in store.arrays:
+            packed["argmax"] = argmax[: len(chunk)]
         if capture_layers:
             packed["layers"] = layers[: len(chunk)]
         store.append([r["id"] for r in chunk], packed)

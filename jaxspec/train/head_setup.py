@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -69,3 +70,78 @@ def new_head(
         graphdef, params = init_eagle3(config, dtype, seed, draft_ids)
         return DraftHead(config=config, graphdef=graphdef, params=params, source=f"<random seed={seed}>")
     return init_head(config, dtype, seed)
+
+
+def _copy_decoder_layer(head_layer, target_layer) -> None:
+    """Copy a target decoder layer (fused [out, in] projections) into a head layer (NNX Linear kernels
+    [in, out]). An EAGLE-3 layer's 2d-wide attention input gets the target's projections on its hidden
+    half (the second d inputs) and keeps its own on the embedding half; both of its input norms start as
+    the target's input norm."""
+    attention = target_layer.self_attn
+    qkv = attention.qkv_proj.weight[...]  # [Hkv, G + 2, D, d]
+    group, d = qkv.shape[1] - 2, qkv.shape[3]
+
+    def split(x):  # [Hkv, G + 2, D, ...] -> q [Hq * D, ...], k and v [Hkv * D, ...] (HF head order)
+        flat = lambda y: y.reshape((-1,) + x.shape[3:])  # noqa: E731
+        return {"q_proj": flat(x[:, :group]), "k_proj": flat(x[:, group]), "v_proj": flat(x[:, group + 1])}
+
+    parts = split(qkv)
+    biases = split(attention.qkv_proj.bias[...]) if hasattr(attention.qkv_proj, "bias") else {}
+    for name, weight in parts.items():
+        linear = getattr(head_layer.self_attn, name)
+        kernel = linear.kernel[...]
+        linear.kernel[...] = kernel.at[kernel.shape[0] - d :].set(weight.T.astype(kernel.dtype))
+        if name in biases and linear.bias is not None:
+            linear.bias[...] = biases[name].astype(linear.bias.dtype)
+    head_layer.self_attn.o_proj.kernel[...] = attention.o_proj.weight[...].T
+    if hasattr(attention, "q_norm") and hasattr(head_layer.self_attn, "q_norm"):
+        head_layer.self_attn.q_norm.weight[...] = attention.q_norm.weight[...]
+        head_layer.self_attn.k_norm.weight[...] = attention.k_norm.weight[...]
+    for norm in ("input_layernorm", "hidden_norm"):
+        if hasattr(head_layer, norm):
+            getattr(head_layer, norm).weight[...] = target_layer.input_layernorm.weight[...]
+    head_layer.post_attention_layernorm.weight[...] = target_layer.post_attention_layernorm.weight[...]
+    gate_up = target_layer.mlp.gate_up_proj.weight[...]  # [2, f, d]
+    head_layer.mlp.gate_proj.kernel[...] = gate_up[0].T
+    head_layer.mlp.up_proj.kernel[...] = gate_up[1].T
+    head_layer.mlp.down_proj.kernel[...] = target_layer.mlp.down_proj.weight[...].T
+
+
+def init_from_target(head: DraftHead, target_graphdef, target_params, *, layers: bool = True) -> DraftHead:
+    """A fresh head started from the target instead of noise (EAGLE-3, EAGLE-1, MTP; Medusa as is).
+
+    EAGLE-3's draft LM head starts as the target's LM-head rows of the draft vocabulary and its final
+    norm as the target's; with `layers`, every head decoder layer (EAGLE's, EAGLE-3's, each MTP
+    module's block) starts as the target's last decoder layer, and MTP's final norm as the target's.
+    """
+    from flax import nnx
+
+    from jaxspec.models.heads.mtp import module_params, stack_modules
+
+    target = nnx.merge(target_graphdef, target_params)
+    last = target.layers[len(target.layers) - 1]
+    config = head.config
+    if isinstance(config, MedusaConfig):
+        return head
+    if isinstance(config, MtpConfig):
+        states = []
+        for k in range(config.num_modules):
+            module = nnx.merge(head.graphdef, module_params(head.params, k))
+            if layers:
+                _copy_decoder_layer(module.block, last)
+            module.final_norm.weight[...] = target.norm.weight[...]
+            states.append(nnx.split(module)[1])
+        return dataclasses.replace(head, params=stack_modules(states), source=head.source + " from target")
+    module = nnx.merge(head.graphdef, head.params)
+    if isinstance(config, Eagle3Config):
+        rows = (
+            target.embed_tokens.embedding[...]
+            if target.config.tie_word_embeddings
+            else target.lm_head.weight[...]
+        )
+        module.lm_head.kernel[...] = rows[module.target_ids()].T.astype(module.lm_head.kernel.dtype)
+        module.norm.weight[...] = target.norm.weight[...]
+    if layers:
+        _copy_decoder_layer(module.layer, last)
+    graphdef, params = nnx.split(module)
+    return dataclasses.replace(head, graphdef=graphdef, params=params, source=head.source + " from target")

@@ -17,7 +17,11 @@ EAGLE-3: the argmax within the draft vocabulary).
   EAGLE-3   training-time test: step s feeds pair i the head's own step s - 1 output and t_(i+1+s) at
             rotary position i + s; queries see step 0's keys causally and their own earlier steps'
             keys at the same position (the drafting pattern); soft CE over the draft vocabulary
-            (target renormalised there) weighted 0.8^s.
+            (target renormalised there) weighted 0.8^s. As in the reference training (EAGLE-3,
+            SpecForge), a position counts only where the target's argmax over its full vocabulary
+            lies inside the draft vocabulary (the position mask): elsewhere the head could not draft
+            the target's token anyway. The argmax comes from the batch ("argmax", written by the
+            feature store) or, without it, from the target's full LM head at the sampled positions.
   MTP       module s at position i reads (t_(i+s+1), h_i^s) and predicts t_(i+s+2); CE per depth; with
             `backbone_weight` > 0 the target is trained too: main next-token CE + lambda x MTP loss.
 The target's LM head over the full vocabulary dominates the cost on a CPU, so the Medusa, EAGLE-1 and
@@ -110,6 +114,9 @@ class Objective:
     depth: draft depths trained (Medusa: its heads; EAGLE-3: TTT steps; MTP: chained modules).
     noise: EAGLE-1 uniform feature noise width (U(-noise/2, noise/2)).
     backbone_weight: MTP only, > 0 trains the target too: main CE + backbone_weight x MTP loss.
+    soft_weight: Medusa and MTP: the loss per depth is (1 - w) x CE to the self-distilled token + w x soft
+      CE to the target's own distribution at that position (KL up to the target's entropy), so the head
+      learns the target's whole distribution, not only its top-1 (EAGLE and EAGLE-3 are soft already).
     """
 
     head_graphdef: nnx.GraphDef
@@ -120,6 +127,7 @@ class Objective:
     num_positions: int = 32
     noise: float = 0.2
     backbone_weight: float = 0.0
+    soft_weight: float = 0.0
 
     @property
     def method(self) -> str:
@@ -162,6 +170,16 @@ class Objective:
             return self._mtp(head_params, batch, key, target_lm, target_embed)
         raise TypeError(f"Objective: unknown head config {config!r}")
 
+    def _mixed_ce(self, logits, labels, hidden, idx, shift, target_lm):
+        """Per-position (loss, top-1 correct) at depth label t_(i + shift): hard CE to the label, mixed with
+        soft CE to the target's distribution at position i + shift - 1 when soft_weight > 0."""
+        ce, correct = hard_ce(logits, labels)
+        if self.soft_weight > 0.0:
+            target = jax.lax.stop_gradient(target_lm(take(shifted(hidden, shift - 1, hidden.shape[1]), idx)))
+            soft = soft_ce(logits, jax.nn.softmax(target.astype(jnp.float32), -1))
+            ce = (1.0 - self.soft_weight) * ce + self.soft_weight * soft
+        return ce, correct
+
     def _medusa(self, params, batch, key, target_lm):
         hidden, tokens = batch["hidden"], batch["tokens"]
         n = hidden.shape[1]
@@ -171,7 +189,7 @@ class Objective:
         for j in range(self.depth):
             labels = take(shifted(tokens, 2 + j, n), idx)
             w = weight * take(label_mask(batch, 2 + j, n), idx)
-            ce, correct = hard_ce(logits[:, :, j], labels)
+            ce, correct = self._mixed_ce(logits[:, :, j], labels, hidden, idx, 2 + j, target_lm)
             losses.append(masked_mean(ce, w))
             accs.append(masked_mean(correct, w))
         depth_loss = jnp.stack(losses)
@@ -218,6 +236,16 @@ class Objective:
             return jax.lax.stop_gradient(logits)
 
         target_hidden = batch["hidden"][:, 1:]  # pair i's depth-1 target is the distribution at i + 1
+        in_draft_vocab = head.t2d[...]  # [V] bool
+
+        def position_mask(target_h: jax.Array, s: int, idx: jax.Array) -> jax.Array:
+            """[B, P] 1.0 where the target's full-vocabulary argmax at the step-s targets is drafteable."""
+            if "argmax" in batch:
+                top = take(shifted(batch["argmax"][:, 1:], s, n), idx)
+            else:
+                top = jnp.argmax(jax.lax.stop_gradient(target_lm(target_h)), -1)
+            return in_draft_vocab[top].astype(jnp.float32)
+
         hidden = head.project_target_features(batch["layers"][:, :n])
         eye = jnp.eye(n, dtype=bool)
         keys, values, visible = [], [], []
@@ -244,7 +272,9 @@ class Objective:
             idx, weight = sample_positions(
                 jax.random.fold_in(key, s), label_mask(batch, 2 + s, n), self.num_positions
             )
-            target_logits = target_draft_logits(take(shifted(target_hidden, s, n), idx))  # [B, P, Vd]
+            target_h = take(shifted(target_hidden, s, n), idx)  # [B, P, d]
+            target_logits = target_draft_logits(target_h)  # [B, P, Vd]
+            weight = weight * position_mask(target_h, s, idx)
             logits = head.draft_logits(take(out, idx))  # [B, P, Vd]
             losses.append(masked_mean(soft_ce(logits, jax.nn.softmax(target_logits, -1)), weight))
             agree = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
@@ -269,7 +299,8 @@ class Objective:
             h, normed, _, _ = mtp_module_forward(
                 self.head_graphdef, params, module, embeddings, h, positions, inputs
             )
-            ce, correct = hard_ce(target_lm(take(normed, idx)), take(shifted(tokens, s + 2, n), idx))
+            labels = take(shifted(tokens, s + 2, n), idx)
+            ce, correct = self._mixed_ce(target_lm(take(normed, idx)), labels, hidden, idx, s + 2, target_lm)
             w = weight * take(label_mask(batch, s + 2, n), idx)
             losses.append(masked_mean(ce, w))
             accs.append(masked_mean(correct, w))

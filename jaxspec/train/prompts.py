@@ -247,19 +247,44 @@ def jaccard(a: set, b: set) -> float:
 
 
 class NearDuplicateIndex:
-    """Word-normalised texts and their 4-gram shingles, for `contains` checks against many candidates."""
+    """Word-normalised texts and their 4-gram shingles, for `contains` checks against many candidates.
+
+    An inverted index (shingle -> texts holding it) limits the Jaccard computations to texts that share
+    shingles with the candidate, so checks stay fast with tens of thousands of texts; `add` grows it.
+    """
 
     def __init__(self, texts: Iterable[str], threshold: float = NEAR_DUPLICATE_JACCARD):
         self.threshold = threshold
-        self.keys = {" ".join(_words(t)) for t in texts}
-        self.shingle_sets = [shingles(k) for k in self.keys]
+        self.keys: set[str] = set()
+        self.shingle_sets: list[set[tuple[str, ...]]] = []
+        self._holders: dict[tuple[str, ...], list[int]] = {}
+        for text in texts:
+            self.add(text)
+
+    def add(self, text: str) -> None:
+        key = " ".join(_words(text))
+        if key in self.keys:
+            return
+        self.keys.add(key)
+        mine = shingles(text)
+        for shingle in mine:
+            self._holders.setdefault(shingle, []).append(len(self.shingle_sets))
+        self.shingle_sets.append(mine)
 
     def contains(self, text: str) -> bool:
         """True when `text` equals (ignoring case/punctuation) or closely paraphrases an indexed text."""
         if " ".join(_words(text)) in self.keys:
             return True
         mine = shingles(text)
-        return any(jaccard(mine, other) >= self.threshold for other in self.shingle_sets)
+        shared: dict[int, int] = {}
+        for shingle in mine:
+            for i in self._holders.get(shingle, ()):
+                shared[i] = shared.get(i, 0) + 1
+        # |A & B| / |A | B| >= t needs |A & B| >= t * max(|A|, |B|): check the exact Jaccard only then.
+        return any(
+            n >= self.threshold * len(mine) and jaccard(mine, self.shingle_sets[i]) >= self.threshold
+            for i, n in shared.items()
+        )
 
 
 def is_near_duplicate(text: str, others: Iterable[str], threshold: float = NEAR_DUPLICATE_JACCARD) -> bool:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from jaxspec.train.losses import Objective
 
 PURPOSE_STEP = 1
+PURPOSE_EVAL = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     window: int | None = None  # crop each sequence to a window of this many tokens (offline features)
+    eval_every: int = 0  # validate every N steps (and at the end) when a validation source is given
+    eval_batches: int = 4  # validation batches of batch_size sequences (the first ones of the source)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -91,6 +94,67 @@ def step_key(seed: int, step: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), PURPOSE_STEP)
 
 
+def _with_features(objective: Objective, trainable, fixed, batch, online: bool) -> dict:
+    """The batch with the target's features added when they are computed online."""
+    if online and "backbone" not in trainable:
+        from jaxspec.train.features import target_features
+
+        hidden, layers = target_features(
+            objective.target_graphdef, fixed["target"], batch["tokens"], config=objective.target_config,
+            capture_layers=objective.capture_layers, cache=fixed.get("empty_cache"),
+        )  # fmt: skip
+        batch = dict(batch, hidden=hidden, **({"layers": layers} if layers is not None else {}))
+    return batch
+
+
+def make_eval_step(objective: Objective, online: bool) -> Callable:
+    """jit((trainable, fixed, batch, key) -> metrics): the objective's loss and per-depth agreement on a
+    held-out batch, no update."""
+
+    def eval_step(trainable, fixed, batch, key):
+        loss, metrics = objective(
+            trainable, fixed, _with_features(objective, trainable, fixed, batch, online), key
+        )
+        return dict(metrics, loss=loss)
+
+    return jax.jit(eval_step)
+
+
+def tau_proxy(depth_acc: list[float]) -> float:
+    """Expected tokens per round of a chain whose depth-j draft is accepted with probability acc_j given
+    the earlier ones: 1 + acc_1 + acc_1 acc_2 + ... (teacher-forced agreement as the acceptance rate)."""
+    return float(1.0 + np.cumprod(np.asarray(depth_acc, np.float64)).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class SubsetSource:
+    """Sequences `indices` of another source (a validation split, or the training rest)."""
+
+    source: Any
+    indices: tuple[int, ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.indices)
+
+    def read(self, indices, names=None) -> dict[str, np.ndarray]:
+        return self.source.read([self.indices[i] for i in indices], names)
+
+
+TEMPLATED_CATEGORIES = ("coding", "knowledge", "writing", "extraction", "chat", "reasoning")
+
+
+def validation_split(ids: list[str], categories: list[str], fraction: float) -> tuple[list[int], list[int]]:
+    """(train indices, validation indices) of sequences `ids`: a stable `fraction` of the sequences chosen
+    by a hash of their id, among the non-templated ones (Magpie, derived) when there are any, since
+    templated prompts say little about real prompts."""
+    import zlib
+
+    pool = [i for i, c in enumerate(categories) if c not in TEMPLATED_CATEGORIES] or list(range(len(ids)))
+    held = {i for i in pool if zlib.crc32(ids[i].encode()) % 10_000 < fraction * 10_000}
+    return [i for i in range(len(ids)) if i not in held], sorted(held)
+
+
 def make_train_step(objective: Objective, optimizer: optax.GradientTransformation, online: bool) -> Callable:
     """jit((trainable, opt_state, fixed, batch, key) -> (trainable, opt_state, metrics)).
 
@@ -98,14 +162,7 @@ def make_train_step(objective: Objective, optimizer: optax.GradientTransformatio
     """
 
     def train_step(trainable, opt_state, fixed, batch, key):
-        if online and "backbone" not in trainable:
-            from jaxspec.train.features import target_features
-
-            hidden, layers = target_features(
-                objective.target_graphdef, fixed["target"], batch["tokens"], config=objective.target_config,
-                capture_layers=objective.capture_layers, cache=fixed.get("empty_cache"),
-            )  # fmt: skip
-            batch = dict(batch, hidden=hidden, **({"layers": layers} if layers is not None else {}))
+        batch = _with_features(objective, trainable, fixed, batch, online)
         (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(trainable, fixed, batch, key)
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
@@ -148,7 +205,7 @@ def _to_host(metrics: dict[str, jax.Array]) -> dict[str, Any]:
 
 
 def plot_curves(entries: list[dict], path: Path, title: str = "") -> None:
-    """PNG of total loss and per-depth top-1 accuracy against the step."""
+    """PNG of total loss and per-depth top-1 accuracy against the step (validation points dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -163,8 +220,17 @@ def plot_curves(entries: list[dict], path: Path, title: str = "") -> None:
     ax_loss.set_yscale("log")
     ax_loss.legend()
     depth = len(entries[0]["depth_acc"])
+    validated = [e for e in entries if "val_depth_acc" in e]
     for j in range(depth):
-        ax_acc.plot(steps, [e["depth_acc"][j] for e in entries], label=f"depth {j + 1}")
+        line = ax_acc.plot(steps, [e["depth_acc"][j] for e in entries], label=f"depth {j + 1}")[0]
+        if validated:
+            ax_acc.plot([e["step"] for e in validated], [e["val_depth_acc"][j] for e in validated], "o--",
+                        color=line.get_color(), label=f"depth {j + 1} validation")  # fmt: skip
+    if validated:
+        ax_loss.plot(
+            [e["step"] for e in validated], [e["val_loss"] for e in validated], "o--", label="validation"
+        )
+        ax_loss.legend()
     ax_acc.set_xlabel("step")
     ax_acc.set_ylabel("top-1 accuracy")
     ax_acc.legend()
@@ -194,6 +260,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     stop_after: int | None = None,
+    validation: Any = None,
 ) -> TrainResult:
     """Train `trainable` ({"head": nnx.State of Params}, optionally "backbone") for config.steps steps.
 
@@ -202,6 +269,8 @@ def train(
     run_dir: checkpoints (Orbax, keep N, async), metrics.jsonl, curves.png.
     resume: continue from the latest checkpoint in run_dir (else a non-empty run_dir is an error).
     stop_after: end after this step (tests; a real run uses config.steps).
+    validation: a held-out source (same kind as `source`); every `config.eval_every` steps and at the end
+      the log entry gets val_loss, val_depth_acc (teacher-forced agreement by depth) and val_tau_proxy.
     """
     run_dir = Path(run_dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -233,6 +302,23 @@ def train(
         empty = KVCache.zeros(objective.target_config, config.batch_size, max_len, dtype)
         fixed = dict(fixed, empty_cache=empty)
     names = ["tokens", "lengths", "starts"] if online else None
+    evaluate = None
+    if validation is not None and config.eval_every > 0:
+        eval_step = make_eval_step(objective, online)
+        count = min(config.eval_batches, validation.num_sequences // config.batch_size)
+        size = config.batch_size
+        eval_batches = [
+            {k: jnp.asarray(v) for k, v in validation.read(range(i * size, (i + 1) * size), names).items()}
+            for i in range(count)
+        ]
+        eval_key = jax.random.fold_in(jax.random.key(config.seed), PURPOSE_EVAL)
+
+        def evaluate(trainable) -> dict[str, Any]:
+            runs = [_to_host(eval_step(trainable, fixed, b, eval_key)) for b in eval_batches]
+            acc = np.mean([r["depth_acc"] for r in runs], axis=0).tolist()
+            loss = float(np.mean([r["loss"] for r in runs]))
+            return {"val_loss": loss, "val_depth_acc": acc, "val_tau_proxy": tau_proxy(acc)}
+
     end = max(start, min(config.steps, stop_after if stop_after is not None else config.steps))
     began = time.perf_counter()
     bar = tqdm(total=config.steps, initial=start, desc=f"train {objective.method}", disable=not progress)
@@ -248,8 +334,11 @@ def train(
             trainable, opt_state, fixed, batch, step_key(config.seed, step)
         )
         done = step + 1
-        if done % config.log_every == 0 or done == end:
+        validate = evaluate is not None and (done % config.eval_every == 0 or done == end)
+        if done % config.log_every == 0 or done == end or validate:
             entry = {"step": done, **_to_host(metrics), "time_s": time.perf_counter() - began}
+            if validate:
+                entry.update(evaluate(trainable))
             log.append(entry)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in entry["depth_acc"]))
         if done % config.checkpoint_every == 0 or done == end:
