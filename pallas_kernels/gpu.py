@@ -40,9 +40,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import layout
+from pallas_kernels import compat, layout
 from pallas_kernels.online_softmax import MASKED_SCORE, normalized, online_softmax_step, scores_of
 
 _MIN_DOT = 16  # smallest tl.dot dimension
@@ -185,7 +184,7 @@ def tree_attention_gpu(
     k_cache = layout.pad_cache(k_cache, padded_len)
     v_cache = layout.pad_cache(v_cache, padded_len)
 
-    sq = pl.squeezed
+    sq = compat.squeezed
     hkv = num_kv_heads
     partial_shape = (batch, hkv, splits, padded_rows)
     in_specs = [
@@ -212,7 +211,7 @@ def tree_attention_gpu(
             jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
             jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention_gpu",
     )(lengths.astype(jnp.int32), q_rows, k_cache, v_cache, k_tree, v_tree, mask_rows)

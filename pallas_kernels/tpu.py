@@ -26,9 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import layout
+from pallas_kernels import compat, layout
 from pallas_kernels.online_softmax import MASKED_SCORE, normalized, online_softmax_step, scores_of
 
 _MAX_BLOCK_KV = 2048  # 2 x 2 x 2048 x D bf16 double-buffered K/V blocks: 2 MiB of VMEM at D=128
@@ -142,7 +141,7 @@ def tree_attention_tpu(
       k_tree, v_tree: [B, Hkv, N, D]; tree_mask: [B, N, N] bool.
       scale: softmax scale.
       block_kv: cache positions per grid step (None: choose_block_kv picks).
-      interpret: None/False to compile for TPU, or a pltpu.InterpretParams to run in interpret mode.
+      interpret: None/False to compile for TPU, or `compat.tpu_interpret_params(...)` to run in interpret mode.
     Returns:
       [B, Hq, N, D] in q's dtype. Rows that see no key at all (invalid padding nodes with an empty
       prefix) are zero, where the reference returns an arbitrary average.
@@ -172,8 +171,8 @@ def tree_attention_tpu(
     def per_row(b, h, j, lengths_ref):
         return b, 0, 0
 
-    sq = pl.squeezed
-    grid_spec = pltpu.PrefetchScalarGridSpec(
+    sq = compat.squeezed
+    grid_spec = compat.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, num_kv_heads, padded_len // block_kv),
         in_specs=[
@@ -186,16 +185,16 @@ def tree_attention_tpu(
         ],
         out_specs=pl.BlockSpec((sq, sq, padded_rows, head_dim), per_head),
         scratch_shapes=[
-            pltpu.VMEM((padded_rows, 1), jnp.float32),
-            pltpu.VMEM((padded_rows, 1), jnp.float32),
-            pltpu.VMEM((padded_rows, head_dim), jnp.float32),
+            compat.VMEM((padded_rows, 1), jnp.float32),
+            compat.VMEM((padded_rows, 1), jnp.float32),
+            compat.VMEM((padded_rows, head_dim), jnp.float32),
         ],
     )
     out_rows = pl.pallas_call(
         functools.partial(_tree_attention_kernel, scale=scale, block_kv=block_kv),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=compat.tpu_compiler_params(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="tree_attention_tpu",
     )(lengths.astype(jnp.int32), q_rows, k_cache, v_cache, k_tree, v_tree, mask_rows)

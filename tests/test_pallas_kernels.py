@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
-from jax.experimental.pallas import tpu as pltpu
 
 from jaxspec.spec.tree import DraftTree, ancestor_mask
 from pallas_kernels import (
+    compat,
     dispatch,
     gpu,
     tpu,
@@ -31,7 +31,7 @@ from pallas_kernels import (
 HEAD_DIM = 64
 SCALE = HEAD_DIM**-0.5
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-CHECKED_TPU_INTERPRET = pltpu.InterpretParams(
+CHECKED_TPU_INTERPRET = compat.tpu_interpret_params(
     detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
 )
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

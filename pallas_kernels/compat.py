@@ -1,0 +1,56 @@
+"""The one home of version-sensitive Pallas APIs (jax 0.10.2 pinned here, 0.11.x on accelerator images).
+
+Kernels import the names below instead of reaching into `jax.experimental.pallas.*` themselves, so a
+rename between jax releases is handled here once. Each name falls back to its older spelling; when
+neither exists the error says which jax is installed and which API is missing.
+
+  squeezed                 BlockSpec entry for a dimension of size 1 dropped in the kernel
+                           (`pl.squeezed`; older releases spelled it `None`).
+  tpu_interpret_params     TPU interpret mode (simulated DMAs, race detection) for CPU runs.
+  tpu_compiler_params      Mosaic compiler params (`pltpu.CompilerParams`, before: TPUCompilerParams).
+  triton_compiler_params   Triton compiler params (`pltriton.CompilerParams`, before: TritonCompilerParams).
+  PrefetchScalarGridSpec, VMEM   TPU grid spec with scalar prefetch, VMEM scratch shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def _first(module: Any, *names: str) -> Any:
+    for name in names:
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise ImportError(
+        f"jax {jax.__version__}: {module.__name__} has none of {names}; "
+        "update pallas_kernels/compat.py for this jax release"
+    )
+
+
+squeezed: Any = getattr(pl, "squeezed", None)
+PrefetchScalarGridSpec = _first(pltpu, "PrefetchScalarGridSpec")
+VMEM = _first(pltpu, "VMEM")
+
+
+def tpu_interpret_params(**kwargs: Any) -> Any:
+    """TPU interpret-mode parameters, e.g. tpu_interpret_params(detect_races=True)."""
+    return _first(pltpu, "InterpretParams", "TPUInterpretParams")(**kwargs)
+
+
+def tpu_compiler_params(**kwargs: Any) -> Any:
+    """Mosaic (TPU) compiler parameters, e.g. dimension_semantics=("parallel", "arbitrary")."""
+    return _first(pltpu, "CompilerParams", "TPUCompilerParams")(**kwargs)
+
+
+def triton_compiler_params(**kwargs: Any) -> Any:
+    """Triton (GPU) compiler parameters (num_warps, num_stages). Selecting them also selects the
+    Triton lowering: plain `pl.pallas_call` defaults to Mosaic GPU on CUDA in recent releases."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return _first(pltriton, "CompilerParams", "TritonCompilerParams")(**kwargs)
