@@ -1,0 +1,51 @@
+"""scripts/accelerator_check.py --smoke: the accelerator run's code path, on CPU at tiny shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_a_well_formed_report(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "scripts/accelerator_check.py", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert elapsed < 150, f"smoke run took {elapsed:.0f} s"
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["smoke"] and results["skipped"] == [] and results["errors"] == {}
+    assert results["elapsed_s"] < 90, (
+        f"smoke measurements took {results['elapsed_s']:.0f} s (imports excluded)"
+    )
+    steps = results["step_times"]["tiny"]
+    assert sorted(steps) == ["1", "2"]
+    for by_batch in steps.values():
+        assert by_batch["decode_s"] > 0 and sorted(by_batch["v"]) == ["1", "4"]
+    ar = results["ar"]
+    assert ar["jaxspec_tok_s"] > 0 and ar["transformers_tok_s"] > 0 and ar["ratio"] > 0
+    assert ar["leading_tokens_equal"] >= 1  # same weights on both sides: the first greedy token agrees
+    (row,) = results["kernel"]
+    assert row["max_abs_err"] < 5e-2 and row["kernel_us"] > 0 and row["dot_product_attention_us"] > 0
+    predicted = [p for p in results["predictions"] if p["predicted_speedup"] is not None]
+    assert predicted, "no method of the CPU benchmarks got a prediction"
+    for p in predicted:
+        assert p["predicted_speedup"] == pytest.approx(p["tau"] / (p["v_device"] + p["gamma"] * p["c_cpu"]))
+
+    report = (tmp_path / "report.md").read_text()
+    for heading in ("Decode and verify step times", "Autoregressive tokens/s", "Tree attention", "Predicted"):
+        assert f"## {heading}" in report
+    assert "| tiny | 1 |" in report and "SMOKE RUN" in report
