@@ -48,4 +48,26 @@ def test_smoke_run_writes_a_well_formed_report(tmp_path):
     report = (tmp_path / "report.md").read_text()
     for heading in ("Decode and verify step times", "Autoregressive tokens/s", "Tree attention", "Predicted"):
         assert f"## {heading}" in report
-    assert "| tiny | 1 |" in report and "SMOKE RUN" in report
+    assert "| tiny | 1 | auto |" in report and "SMOKE RUN" in report
+    assert ar["attention"] == "auto" and steps["1"]["attention"] == "auto"
+
+
+def test_a_failing_kernel_falls_back_to_reference_attention_and_the_budget_skips():
+    import dataclasses
+
+    from jaxspec.bench.accelerator import FULL_PLAN, Budget, Recorder
+
+    recorder = Recorder(FULL_PLAN, Budget(60.0))
+
+    def measure(attention: str) -> dict:
+        if attention == "auto":
+            raise RuntimeError("Triton lowering failed")
+        return {"seconds": 1.0}
+
+    assert recorder.run_attention("step", measure, 1.0) == {"seconds": 1.0, "attention": "reference"}
+    assert "Triton lowering failed" in recorder.errors["step"]
+    assert recorder.run_attention("late", measure, 120.0) is None  # over the budget: not started
+    assert recorder.skipped == ["late"] and "late" not in recorder.errors
+    smoke = Recorder(dataclasses.replace(FULL_PLAN, smoke=True), Budget(60.0))
+    with pytest.raises(RuntimeError, match="Triton"):  # the CPU smoke run raises instead
+        smoke.run_attention("step", measure, 1.0)
