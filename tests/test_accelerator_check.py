@@ -71,3 +71,23 @@ def test_a_failing_kernel_falls_back_to_reference_attention_and_the_budget_skips
     smoke = Recorder(dataclasses.replace(FULL_PLAN, smoke=True), Budget(60.0))
     with pytest.raises(RuntimeError, match="Triton"):  # the CPU smoke run raises instead
         smoke.run_attention("step", measure, 1.0)
+
+
+def test_random_weights_are_the_same_model_in_torch_and_jaxspec():
+    """The AR comparison's premise: the torch model's random tensors loaded into jaxspec give the same
+    logits (Llama-3.1 rope scaling, as the 8B shape uses)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from jaxspec.bench.accelerator import MODEL_SHAPES, random_model, torch_random_model
+    from jaxspec.model import _full_logits
+
+    config = MODEL_SHAPES["tiny"].replace(rope_scaling=(8.0, 1.0, 4.0, 64), rope_theta=500000.0)
+    torch_model = torch_random_model(config, "float32")
+    graphdef, params = random_model(config, "float32", torch_model)
+    ids = np.random.default_rng(0).integers(1, config.vocab_size, 256).astype(np.int32)
+    ours = np.asarray(_full_logits(graphdef, params, jnp.asarray(ids)[None], config=config))[0]
+    with torch.no_grad():
+        theirs = torch_model(torch.as_tensor(ids[None]).long()).logits[0].numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
