@@ -189,6 +189,17 @@ def torch_random_model(config: ModelConfig, dtype: str):
     return model
 
 
+def _release_torch_memory() -> None:
+    """Hand torch's cached device memory back (jax allocates on demand beside it)."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _to_numpy(tensor) -> np.ndarray:
     import ml_dtypes
     import torch
@@ -422,7 +433,8 @@ def run_check(plan: Plan, bench_dir: Path) -> dict:
             ),
             60.0,
         )
-    torch_model = None  # free the torch copy before the kernel sweep
+    torch_model = None  # free the torch copy (and its cached device memory) before the kernel sweep
+    _release_torch_memory()
 
     # 3: the kernel sweep.
     for batch in plan.kernel_batches:
