@@ -12,8 +12,8 @@ loops like any jnp function.
 from __future__ import annotations
 
 import jax
-from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import compat
 from pallas_kernels.gpu import tree_attention_gpu
 from pallas_kernels.reference import tree_attention_reference
 from pallas_kernels.tpu import tree_attention_tpu
@@ -76,5 +76,5 @@ def tree_attention(
         v_tree,
         tree_mask,
         scale=scale,
-        interpret=pltpu.InterpretParams(detect_races=True) if interpret else None,
+        interpret=compat.tpu_interpret_params(detect_races=True) if interpret else None,
     )

@@ -25,6 +25,14 @@ length are never loaded (skipped, not masked). Split 0 also folds in the tree ke
 mask. Each program writes an unnormalised partial (acc, m, denom) in float32 and a few jnp ops merge
 the splits (flash-decoding). Splitting the prefix keeps all SMs streaming when B * Hkv is small.
 
+Long windows: prefill reaches this kernel in chunks of at most 128 tokens (jaxspec.prefill), so the tree
+block has at most 128 keys whatever the prompt length. Per program the tiles are then q [64, D], one K
+and one V block [64, D] per pipeline stage, tree K/V [128, D], mask [64, 128] int32 and scores /
+probabilities [64, 128] float32: ~210 KiB at D = 128 in bf16 with num_stages = 2 if every tile sat in
+shared memory (H200: 227 KiB per block); Triton keeps scores and masks in registers, so the shared
+memory in use is smaller. Not measured on a GPU yet (scripts/accelerator_check.py runs the kernel there).
+The tree block is still computed by every split and masked off outside split 0.
+
 Triton needs power-of-two tensor sizes: rows, tree keys and blocks are padded to powers of two (>= 16
 for `tl.dot`), head_dim must be a power of two >= 16, and the cache is padded (copied) only when no
 power-of-two block divides its length.
@@ -40,9 +48,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import layout
+from pallas_kernels import compat, layout
 from pallas_kernels.online_softmax import MASKED_SCORE, normalized, online_softmax_step, scores_of
 
 _MIN_DOT = 16  # smallest tl.dot dimension
@@ -185,7 +192,7 @@ def tree_attention_gpu(
     k_cache = layout.pad_cache(k_cache, padded_len)
     v_cache = layout.pad_cache(v_cache, padded_len)
 
-    sq = pl.squeezed
+    sq = compat.squeezed
     hkv = num_kv_heads
     partial_shape = (batch, hkv, splits, padded_rows)
     in_specs = [
@@ -212,7 +219,7 @@ def tree_attention_gpu(
             jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
             jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention_gpu",
     )(lengths.astype(jnp.int32), q_rows, k_cache, v_cache, k_tree, v_tree, mask_rows)

@@ -21,19 +21,21 @@ their values zeroed, so garbage (even NaN) in unused cache slots never reaches t
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import layout
+from pallas_kernels import compat, layout
 from pallas_kernels.online_softmax import MASKED_SCORE, normalized, online_softmax_step, scores_of
 
 _MAX_BLOCK_KV = 2048  # 2 x 2 x 2048 x D bf16 double-buffered K/V blocks: 2 MiB of VMEM at D=128
 _MAX_SCORE_ELEMENTS = 256 * 1024  # [M_pad, block_kv] float32 scores (and probabilities) <= 1 MiB each
 _LANES = 128
+# Default scoped-VMEM limit of a Mosaic kernel on TPU v5e (v6e/v7x: 32 MiB); every launch must fit it.
+VMEM_BUDGET_BYTES = 16 * 2**20
 
 
 def _tree_attention_kernel(
@@ -81,6 +83,27 @@ def _tree_attention_kernel(
     def _tree_and_finish():
         fold(k_tree_ref[...], v_tree_ref[...], mask_ref[...] != 0)
         out_ref[...] = normalized(acc_ref[...], denom_ref[...]).astype(out_ref.dtype)
+
+
+def launch_vmem_bytes(launch: compat.KernelLaunch) -> int:
+    """VMEM one program of a `tree_attention_tpu` launch holds, from the launch's own BlockSpecs
+    (`compat.kernel_launches` on a traced program): every input/output block twice (the pipeline
+    double-buffers them), the scratch, and the body's float32 temporaries: scores, masked scores and
+    probabilities [rows, max(block_kv, N_keys)], the value block upcast [block_kv, D] and the
+    probabilities-times-values product [rows, D]."""
+    if launch.name != "tree_attention_tpu":
+        raise ValueError(f"not a tree_attention_tpu launch: {launch.name!r}")
+
+    def nbytes(shape: tuple[int, ...], dtype: jnp.dtype) -> int:
+        return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+    q_block, k_block, _, k_tree_block = launch.blocks[:4]
+    rows, head_dim = q_block[0][-2:]
+    block_kv, tree_keys = k_block[0][-2], k_tree_block[0][-2]
+    blocks = 2 * sum(nbytes(shape, dtype) for shape, dtype in launch.blocks)
+    scratch = sum(nbytes(shape, dtype) for shape, dtype in launch.scratch)
+    temporaries = 4 * (3 * rows * max(block_kv, tree_keys) + block_kv * head_dim + rows * head_dim)
+    return blocks + scratch + temporaries
 
 
 def cache_block_index(lengths: Any, row: Any, step: Any, block_kv: int) -> jax.Array:
@@ -142,7 +165,7 @@ def tree_attention_tpu(
       k_tree, v_tree: [B, Hkv, N, D]; tree_mask: [B, N, N] bool.
       scale: softmax scale.
       block_kv: cache positions per grid step (None: choose_block_kv picks).
-      interpret: None/False to compile for TPU, or a pltpu.InterpretParams to run in interpret mode.
+      interpret: None/False to compile for TPU, or `compat.tpu_interpret_params(...)` (interpret mode).
     Returns:
       [B, Hq, N, D] in q's dtype. Rows that see no key at all (invalid padding nodes with an empty
       prefix) are zero, where the reference returns an arbitrary average.
@@ -172,8 +195,8 @@ def tree_attention_tpu(
     def per_row(b, h, j, lengths_ref):
         return b, 0, 0
 
-    sq = pl.squeezed
-    grid_spec = pltpu.PrefetchScalarGridSpec(
+    sq = compat.squeezed
+    grid_spec = compat.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
         grid=(batch, num_kv_heads, padded_len // block_kv),
         in_specs=[
@@ -186,16 +209,16 @@ def tree_attention_tpu(
         ],
         out_specs=pl.BlockSpec((sq, sq, padded_rows, head_dim), per_head),
         scratch_shapes=[
-            pltpu.VMEM((padded_rows, 1), jnp.float32),
-            pltpu.VMEM((padded_rows, 1), jnp.float32),
-            pltpu.VMEM((padded_rows, head_dim), jnp.float32),
+            compat.VMEM((padded_rows, 1), jnp.float32),
+            compat.VMEM((padded_rows, 1), jnp.float32),
+            compat.VMEM((padded_rows, head_dim), jnp.float32),
         ],
     )
     out_rows = pl.pallas_call(
         functools.partial(_tree_attention_kernel, scale=scale, block_kv=block_kv),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, padded_rows, head_dim), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=compat.tpu_compiler_params(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="tree_attention_tpu",
     )(lengths.astype(jnp.int32), q_rows, k_cache, v_cache, k_tree, v_tree, mask_rows)

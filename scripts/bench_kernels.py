@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxspec.spec.tree import DraftTree, ancestor_mask
+from jaxspec.bench.kernels import DEFAULT_PEAK_GBPS, kv_bytes, make_inputs, median_seconds
 from pallas_kernels import tree_attention
 
-DEFAULT_PEAK_GBPS = {"gpu": 4800.0, "tpu": 819.0}  # H200 HBM3e, TPU v5e
 INTERPRET_SIZES = dict(batches="1,2", prefixes="256,512", nodes="8", q_heads=4, kv_heads=2, head_dim=64)
 
 
@@ -60,58 +55,16 @@ def ints(csv: str) -> list[int]:
     return [int(x) for x in csv.split(",") if x]
 
 
-def make_inputs(batch: int, prefix: int, nodes: int, args: argparse.Namespace) -> dict[str, jax.Array]:
-    """Verify-step operands: full caches of `prefix` positions and one random tree per row."""
-    dtype = jnp.dtype(args.dtype)
-    rng = np.random.default_rng(0)
-    keys = jax.random.split(jax.random.key(0), 6)
-    hkv, d = args.kv_heads, args.head_dim
-
-    def normal(key: jax.Array, *shape: int) -> jax.Array:
-        return jax.random.normal(key, shape, dtype)
-
-    parent = np.array([[-1] + [int(rng.integers(0, i)) for i in range(1, nodes)] for _ in range(batch)])
-    depth = np.zeros_like(parent)
-    for i in range(1, nodes):
-        depth[:, i] = depth[np.arange(batch), parent[:, i]] + 1
-    tree = DraftTree(
-        tokens=jnp.zeros((batch, nodes), jnp.int32),
-        parent=jnp.asarray(parent, jnp.int32),
-        depth=jnp.asarray(depth, jnp.int32),
-        valid=jnp.ones((batch, nodes), bool),
-    )
-    return dict(
-        q=normal(keys[0], batch, args.q_heads, nodes, d),
-        k_cache=normal(keys[1], batch, hkv, prefix, d),
-        v_cache=normal(keys[2], batch, hkv, prefix, d),
-        lengths=jnp.full((batch,), prefix, jnp.int32),
-        k_tree=normal(keys[3], batch, hkv, nodes, d),
-        v_tree=normal(keys[4], batch, hkv, nodes, d),
-        tree_mask=jax.jit(ancestor_mask)(tree),
-    )
-
-
-def kv_bytes(inputs: dict[str, jax.Array]) -> int:
-    """Bytes of K and V a perfect kernel reads: each row's prefix [0, length) plus the tree block."""
-    _, hkv, _, d = inputs["k_cache"].shape
-    itemsize = inputs["k_cache"].dtype.itemsize
-    prefix_positions = int(jnp.sum(inputs["lengths"]))
-    tree_positions = inputs["k_tree"].shape[0] * inputs["k_tree"].shape[2]
-    return 2 * hkv * d * itemsize * (prefix_positions + tree_positions)
-
-
-def median_seconds(fn: Callable[[], jax.Array], iters: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bench_one(batch: int, prefix: int, nodes: int, args: argparse.Namespace, peak_gbps: float | None) -> str:
-    inputs = make_inputs(batch, prefix, nodes, args)
+    inputs = make_inputs(
+        batch,
+        prefix,
+        nodes,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+    )
     scale = args.head_dim**-0.5
     kernel = jax.jit(functools.partial(tree_attention, scale=scale, impl="pallas"))
     reference = jax.jit(functools.partial(tree_attention, scale=scale, impl="reference"))

@@ -15,10 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
-from jax.experimental.pallas import tpu as pltpu
 
+from jaxspec.prefill import PREFILL_CHUNK
 from jaxspec.spec.tree import DraftTree, ancestor_mask
 from pallas_kernels import (
+    compat,
     dispatch,
     gpu,
     tpu,
@@ -31,7 +32,7 @@ from pallas_kernels import (
 HEAD_DIM = 64
 SCALE = HEAD_DIM**-0.5
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-CHECKED_TPU_INTERPRET = pltpu.InterpretParams(
+CHECKED_TPU_INTERPRET = compat.tpu_interpret_params(
     detect_races=True, out_of_bounds_reads="raise", uninitialized_memory="nan"
 )
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
@@ -189,9 +190,11 @@ def test_gpu_loop_visits_only_blocks_below_length() -> None:
 
 @pytest.mark.parametrize(("platform", "kernel"), [("tpu", tree_attention_tpu), ("cuda", tree_attention_gpu)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_lowers_for_its_backend(platform: str, kernel, dtype: type) -> None:
-    """Pallas -> Mosaic (TPU) / Triton IR (GPU) lowering succeeds at a verify-like shape, no device needed."""
-    b, hq, hkv, n, s = 2, 32, 8, 24, 4096
+@pytest.mark.parametrize("n", [24, PREFILL_CHUNK])  # a verify tree; a prefill chunk
+def test_kernel_lowers_for_its_backend(platform: str, kernel, dtype: type, n: int) -> None:
+    """Pallas -> Mosaic (TPU) / Triton IR (GPU) lowering succeeds at verify and prefill-chunk shapes
+    (Llama-3-8B heads), no device needed."""
+    b, hq, hkv, s = 2, 32, 8, 4096
     spec = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
     args = (
         spec((b, hq, n, 128)),

@@ -268,3 +268,72 @@ def measure_step_costs(
         prefill_s=prefill_s, decode_s=decode_s, verify_s=verify_s, draft_s=draft_s, num_nodes=nodes,
         gamma=depth,
     )  # fmt: skip
+
+
+def chain_tree(batch: int, nodes: int) -> DraftTree:
+    """A chain of `nodes` nodes per row (node i's parent is i - 1), tokens 1..nodes."""
+    idx = jnp.arange(nodes, dtype=jnp.int32)
+    return DraftTree(
+        tokens=jnp.broadcast_to(idx + 1, (batch, nodes)),
+        parent=jnp.broadcast_to(idx - 1, (batch, nodes)),
+        depth=jnp.broadcast_to(idx, (batch, nodes)),
+        valid=jnp.ones((batch, nodes), bool),
+    )
+
+
+def forward_step_times(
+    graphdef,
+    params,
+    config,
+    *,
+    batch: int,
+    prefix: int,
+    nodes: Sequence[int],
+    attention: str = "auto",
+    iters: int = 10,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """Decode and verify step times at a synthetic state, each timed inside one compiled loop.
+
+    The cache holds `prefix` committed positions per row (zeros: attention cost does not depend on
+    the values); verify runs over a chain of N nodes for each N in `nodes` (the forward's cost depends
+    on N, not on the tree's shape), with exact verification (greedy rows). Returns {"decode_s": float,
+    "verify_s": {N: float}, "v": {N: verify_s[N] / decode_s}}.
+    """
+    max_len = prefix + length_bucket(max(nodes) + 1)
+    dtype = jax.tree.leaves(params)[0].dtype
+    requests = Requests(
+        prompt_tokens=jnp.ones((batch, 16), jnp.int32),
+        prompt_lengths=jnp.full((batch,), 16, jnp.int32),
+        max_new_tokens=jnp.full((batch,), 128, jnp.int32),
+        seeds=jnp.zeros((batch,), jnp.int32),
+        request_ids=jnp.arange(batch, dtype=jnp.int32),
+        sampling=sampling.SamplingArrays.from_params(SamplingParams(), batch),
+    )
+
+    def fresh_cache() -> KVCache:
+        cache = KVCache.zeros(config, batch, max_len, dtype)
+        return dataclasses.replace(cache, lengths=jnp.full((batch,), prefix, jnp.int32))
+
+    token = jnp.ones((batch,), jnp.int32)
+    decode_s = median_loop_step_time(
+        lambda carry, params, token, requests: _decode(
+            graphdef, params, carry[0], token, requests, attention=attention
+        ),
+        (fresh_cache(), jnp.ones((batch,), jnp.int32)),  # the loop donates its carry
+        (params, token, requests),
+        iters=iters,
+        repeats=repeats,
+    )
+    spec = SpecConfig(attention=attention)
+    verify_s = {}
+    for n in nodes:
+        verify = functools.partial(_verify, graphdef, spec=spec, max_depth=max(n - 1, 1), capture_layers=())
+        verify_s[n] = median_loop_step_time(
+            lambda carry, params, tree, requests, verify=verify: verify(params, carry[0], tree, requests),
+            (fresh_cache(), jnp.ones((batch,), jnp.int32)),  # the loop donates its carry
+            (params, chain_tree(batch, n), requests),
+            iters=iters,
+            repeats=repeats,
+        )
+    return {"decode_s": decode_s, "verify_s": verify_s, "v": {n: t / decode_s for n, t in verify_s.items()}}

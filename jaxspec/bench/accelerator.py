@@ -1,0 +1,563 @@
+"""The one-shot accelerator check behind scripts/accelerator_check.py.
+
+On a GPU/TPU host it measures, in one process and within a time budget:
+  1. decode and verify step times inside one compiled loop (`step_costs.forward_step_times`) at
+     Llama-3.1-8B and SmolLM2-135M shapes with random weights: the v(N) = verify(N) / decode curve;
+  2. autoregressive tokens/s at batch 1, jaxspec against transformers (torch, same dtype, same
+     weights: the torch model is initialised randomly and its tensors loaded into jaxspec, static cache);
+  3. the tree-attention kernel against the XLA reference and `jax.nn.dot_product_attention`, with
+     achieved HBM bandwidth (K/V bytes a perfect kernel reads / time);
+  4. predicted speedups of the methods in the latest CPU benchmarks: τ (hardware independent) from
+     their JSON, v(N) from (1), c from the CPU run (the draft round is not timed here):
+     τ / (v(N) + γ·c).
+Sections run in that order of priority; one that would start after the budget is recorded as skipped,
+so the run ends in time. Off `--smoke`, an error in one measurement is recorded and the run goes on
+(one chance on the device); `--smoke` runs the same code on CPU at tiny shapes and raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.bench.kernels import DEFAULT_PEAK_GBPS, kv_bytes, make_inputs, median_seconds
+from jaxspec.bench.step_costs import forward_step_times
+from jaxspec.buckets import length_bucket
+from jaxspec.config import ModelConfig, SamplingParams
+from jaxspec.prefill import Requests
+from jaxspec.spec import sampling
+from pallas_kernels import tree_attention
+
+MODEL_SHAPES = {
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192),
+        max_position_embeddings=131072,
+    ),
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
+    "tiny": ModelConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=4096,
+    ),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one run measures. kernel_heads: (Hq, Hkv, D) of the kernel sweep."""
+
+    step_models: tuple[str, ...]
+    step_batches: tuple[int, ...]
+    step_nodes: tuple[int, ...]
+    step_prefix: int
+    ar_model: str
+    ar_new_tokens: int
+    kernel_batches: tuple[int, ...]
+    kernel_prefixes: tuple[int, ...]
+    kernel_nodes: tuple[int, ...]
+    kernel_heads: tuple[int, int, int]
+    dtype: str = "bfloat16"
+    iters: int = 10
+    budget_s: float = 420.0
+    smoke: bool = False
+
+
+FULL_PLAN = Plan(
+    step_models=("llama-3.1-8b", "smollm2-135m"), step_batches=(1, 8, 32),
+    step_nodes=(1, 2, 4, 8, 16, 32, 64),
+    step_prefix=1024, ar_model="llama-3.1-8b", ar_new_tokens=128, kernel_batches=(1, 8, 32),
+    kernel_prefixes=(1024, 8192, 32768), kernel_nodes=(1, 4, 16, 64), kernel_heads=(32, 8, 128),
+)  # fmt: skip
+SMOKE_PLAN = Plan(
+    step_models=("tiny",), step_batches=(1, 2), step_nodes=(1, 4), step_prefix=64, ar_model="tiny",
+    ar_new_tokens=8, kernel_batches=(1,), kernel_prefixes=(256,), kernel_nodes=(4,),
+    kernel_heads=(4, 2, 64),
+    iters=2, budget_s=75.0, smoke=True,
+)  # fmt: skip
+
+
+class Budget:
+    """Wall-clock budget: `admits(cost_s)` says whether a step expected to take cost_s still fits."""
+
+    def __init__(self, seconds: float):
+        self.start = time.perf_counter()
+        self.seconds = seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def admits(self, cost_s: float) -> bool:
+        return self.elapsed() + cost_s <= self.seconds
+
+
+class Recorder:
+    """Runs measurements, keeping their results, skips (budget) and errors."""
+
+    def __init__(self, plan: Plan, budget: Budget):
+        self.plan, self.budget = plan, budget
+        self.skipped: list[str] = []
+        self.errors: dict[str, str] = {}
+
+    def run(self, name: str, fn: Callable[[], Any], cost_s: float) -> Any:
+        """fn() unless the budget cannot take cost_s more seconds (a smoke run skips nothing)."""
+        if not self.plan.smoke and not self.budget.admits(cost_s):
+            self.skipped.append(name)
+            print(f"[{self.budget.elapsed():6.1f}s] skipped (budget): {name}", flush=True)
+            return None
+        print(f"[{self.budget.elapsed():6.1f}s] {name}", flush=True)
+        try:
+            return fn()
+        except Exception as error:  # one chance on the device: record it and go on
+            if self.plan.smoke:
+                raise
+            self.errors[name] = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
+            print(f"  error: {self.errors[name]}", flush=True)
+            return None
+
+    def run_attention(self, name: str, fn: Callable[[str], dict], cost_s: float) -> dict | None:
+        """fn("auto") (the backend's kernel); if that raises, fn("reference") so the run still gets its
+        figure. The result records which attention produced it."""
+        for attention in ("auto", "reference"):
+            label = name if attention == "auto" else f"{name} (attention=reference)"
+            result = self.run(label, lambda attention=attention: fn(attention), cost_s)
+            if result is not None:
+                return {**result, "attention": attention}
+            if label not in self.errors:  # skipped for the budget: do not try again
+                return None
+        return None
+
+
+# ---------------------------------------------------------------- random models (jax and torch)
+
+
+def _hf_config(config: ModelConfig):
+    import transformers
+
+    rope_scaling = None
+    if config.rope_scaling is not None:
+        factor, low, high, original = config.rope_scaling
+        rope_scaling = {
+            "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }  # fmt: skip
+    return transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rope_theta=config.rope_theta,
+        rope_scaling=rope_scaling, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        max_position_embeddings=config.max_position_embeddings, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+
+
+def torch_random_model(config: ModelConfig, dtype: str):
+    """A randomly initialised transformers LlamaForCausalLM of this shape on the GPU (CPU if none),
+    or None when torch / transformers are missing."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        torch.manual_seed(0)
+        with torch.device(device), torch.no_grad():
+            model = transformers.LlamaForCausalLM(_hf_config(config)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def _release_torch_memory() -> None:
+    """Hand torch's cached device memory back (jax allocates on demand beside it)."""
+    import gc
+    import sys
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _to_numpy(tensor) -> np.ndarray:
+    import ml_dtypes
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
+    return tensor.cpu().numpy()
+
+
+def random_model(config: ModelConfig, dtype: str, torch_model=None):
+    """(graphdef, params): the torch model's weights when given (same weights on both sides), else a
+    random jax initialisation."""
+    if torch_model is not None:
+        from jaxspec.models.weights import state_from_hf_tensors
+
+        tensors = {name: _to_numpy(t) for name, t in torch_model.state_dict().items()}
+        return state_from_hf_tensors(config, tensors, jnp.dtype(dtype), source="random torch weights")
+    from flax import nnx
+
+    from jaxspec.models.llama import LlamaModel
+
+    return nnx.split(LlamaModel(config, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def step_times(recorder: Recorder, name: str, graphdef, params, batches: tuple[int, ...]) -> dict:
+    plan = recorder.plan
+    config = MODEL_SHAPES[name]
+    out = {}
+    for batch in batches:
+        cost = 5.0 * len(plan.step_nodes) * (1 + config.num_layers / 8)
+        result = recorder.run_attention(
+            f"step times {name} batch {batch}",
+            lambda attention, batch=batch: forward_step_times(
+                graphdef,
+                params,
+                config,
+                batch=batch,
+                prefix=plan.step_prefix,
+                nodes=plan.step_nodes,
+                attention=attention,
+                iters=plan.iters,
+            ),  # fmt: skip
+            cost,
+        )
+        if result is not None:
+            out[batch] = result
+    return out
+
+
+def jaxspec_ar(
+    graphdef, params, config: ModelConfig, prompt: np.ndarray, new_tokens: int, attention: str = "auto"
+) -> dict:
+    """Autoregressive greedy generation at batch 1 (the compiled prefill + decode loop)."""
+    from jaxspec.autoregressive import generate_autoregressive
+
+    p = length_bucket(len(prompt))
+    tokens = np.zeros((1, p), np.int32)
+    tokens[0, : len(prompt)] = prompt
+    requests = Requests(
+        prompt_tokens=jnp.asarray(tokens), prompt_lengths=jnp.asarray([len(prompt)], jnp.int32),
+        max_new_tokens=jnp.asarray([new_tokens], jnp.int32), seeds=jnp.zeros((1,), jnp.int32),
+        request_ids=jnp.zeros((1,), jnp.int32),
+        sampling=sampling.SamplingArrays.from_params(SamplingParams(), 1),
+    )  # fmt: skip
+    capacity = length_bucket(new_tokens)
+    run = functools.partial(
+        generate_autoregressive, graphdef, params, requests, config=config, max_len=p + capacity + 16,
+        capacity=capacity, eos_ids=(), attention=attention,
+    )  # fmt: skip
+    seconds = median_seconds(lambda: run()[0].tokens, 3)
+    out, _ = run()
+    return {
+        "seconds": seconds,
+        "tokens_per_s": new_tokens / seconds,
+        "tokens": np.asarray(out.tokens[0, :new_tokens]),
+    }
+
+
+def transformers_ar(torch_model, prompt: np.ndarray, new_tokens: int) -> dict:
+    """transformers greedy generate, batch 1, static cache."""
+    import torch
+
+    device = next(torch_model.parameters()).device
+    ids = torch.as_tensor(np.asarray(prompt)[None], device=device)
+
+    def run():
+        with torch.no_grad():
+            out = torch_model.generate(
+                ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                cache_implementation="static", pad_token_id=0,
+            )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    run()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    tokens = out[0, len(prompt) :].cpu().numpy()
+    return {"seconds": seconds, "tokens_per_s": new_tokens / seconds, "tokens": tokens}
+
+
+def ar_comparison(
+    graphdef, params, torch_model, config: ModelConfig, new_tokens: int, attention: str = "auto"
+) -> dict:
+    prompt = np.random.default_rng(0).integers(1, config.vocab_size, 16).astype(np.int32)
+    ours = jaxspec_ar(graphdef, params, config, prompt, new_tokens, attention)
+    result: dict[str, Any] = {
+        "new_tokens": new_tokens,
+        "prompt_tokens": len(prompt),
+        "jaxspec_tok_s": ours["tokens_per_s"],
+    }
+    if torch_model is not None:
+        theirs = transformers_ar(torch_model, prompt, new_tokens)
+        same = np.asarray(ours["tokens"]) == np.asarray(theirs["tokens"])
+        result.update(
+            transformers_tok_s=theirs["tokens_per_s"],
+            ratio=ours["tokens_per_s"] / theirs["tokens_per_s"],
+            # Same weights: greedy tokens agree until the first bf16 near-tie.
+            leading_tokens_equal=int(np.argmin(same)) if not same.all() else len(same),
+        )
+    return result
+
+
+def kernel_row(batch: int, prefix: int, nodes: int, plan: Plan, peak_gbps: float | None) -> dict:
+    q_heads, kv_heads, head_dim = plan.kernel_heads
+    inputs = make_inputs(
+        batch, prefix, nodes, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=plan.dtype
+    )
+    scale = head_dim**-0.5
+    kernel = jax.jit(functools.partial(tree_attention, scale=scale, impl="pallas"))
+    reference = jax.jit(functools.partial(tree_attention, scale=scale, impl="reference"))
+    repeats = 1 if plan.smoke else plan.iters
+    row: dict[str, Any] = {"batch": batch, "prefix": prefix, "nodes": nodes}
+    row["kernel_us"] = median_seconds(lambda: kernel(**inputs), repeats) * 1e6
+    row["reference_us"] = median_seconds(lambda: reference(**inputs), repeats) * 1e6
+    row["dot_product_attention_us"] = median_seconds(lambda: _dpa(**inputs, scale=scale), repeats) * 1e6
+    error = jnp.max(jnp.abs(kernel(**inputs).astype(jnp.float32) - reference(**inputs).astype(jnp.float32)))
+    row["max_abs_err"] = float(error)
+    row["kernel_gbps"] = kv_bytes(inputs) / (row["kernel_us"] * 1e-6) / 1e9
+    row["of_peak"] = row["kernel_gbps"] / peak_gbps if peak_gbps else None
+    return row
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _dpa(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, *, scale):
+    """The same attention through `jax.nn.dot_product_attention` (cuDNN / XLA) over prefix + tree."""
+    s = k_cache.shape[2]
+    keys = jnp.concatenate([k_cache, k_tree], axis=2).transpose(0, 2, 1, 3)  # [B, S + N, Hkv, D]
+    values = jnp.concatenate([v_cache, v_tree], axis=2).transpose(0, 2, 1, 3)
+    prefix_ok = jnp.arange(s)[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+    visible = jnp.concatenate([jnp.broadcast_to(prefix_ok, (*tree_mask.shape[:2], s)), tree_mask], axis=2)
+    out = jax.nn.dot_product_attention(
+        q.transpose(0, 2, 1, 3), keys, values, mask=visible[:, None], scale=scale
+    )  # [B, N, Hq, D]
+    return out.transpose(0, 2, 1, 3)
+
+
+def _v_at(v_by_nodes: dict[int, float], nodes: int) -> float | None:
+    """v(N) at the smallest measured N >= nodes (the forward pads nothing, so cost grows with N)."""
+    measured = sorted(n for n in v_by_nodes if n >= nodes)
+    return v_by_nodes[measured[0]] if measured else None
+
+
+def cpu_bench_methods(bench_dir: Path) -> list[dict]:
+    """Speculative rows of the CPU benchmarks under bench_dir/*/bench.json: label, τ, γ, N, c (CPU)."""
+    rows = []
+    for path in sorted(bench_dir.glob("*/bench.json")):
+        data = json.loads(path.read_text())
+        costs = {v["label"]: v.get("step_costs") or {} for v in data.get("raw", {}).get("variants", [])}
+        for row in data.get("summary", {}).get("rows", []):
+            cost = costs.get(row["label"], {})
+            if row.get("method") in (None, "ar") or row.get("tau") is None or not cost:
+                continue
+            rows.append({
+                "bench": path.parent.name, "label": row["label"], "tau": row["tau"],
+                "gamma": cost.get("gamma", 1), "nodes": cost.get("num_nodes", 1), "c_cpu": cost.get("c", 0.0),
+                "cpu_speedup": row.get("speedup"),
+            })  # fmt: skip
+    return rows
+
+
+def predictions(methods: list[dict], v_by_nodes: dict[int, float]) -> list[dict]:
+    out = []
+    for m in methods:
+        v = _v_at(v_by_nodes, m["nodes"])
+        predicted = m["tau"] / (v + m["gamma"] * m["c_cpu"]) if v else None
+        out.append({**m, "v_device": v, "predicted_speedup": predicted})
+    return out
+
+
+# ---------------------------------------------------------------- the run and its report
+
+
+def run_check(plan: Plan, bench_dir: Path) -> dict:
+    budget = Budget(plan.budget_s)
+    recorder = Recorder(plan, budget)
+    backend = jax.default_backend()
+    results: dict[str, Any] = {
+        "device": jax.devices()[0].device_kind, "backend": backend, "jax": jax.__version__,
+        "python": platform.python_version(), "plan": dataclasses.asdict(plan), "smoke": plan.smoke,
+        "step_times": {}, "ar": None, "kernel": [], "predictions": [],
+    }  # fmt: skip
+    peak = None if backend == "cpu" else DEFAULT_PEAK_GBPS.get(backend)
+    results["peak_gbps"] = peak
+
+    # 1 + 2: the AR model first (batch 1 v(N), then the AR comparison on the same weights).
+    first = plan.ar_model
+    config = MODEL_SHAPES[first]
+    torch_model = recorder.run(
+        f"random torch model {first}", lambda: torch_random_model(config, plan.dtype), 30.0
+    )
+    model = recorder.run(
+        f"random jax model {first}", lambda: random_model(config, plan.dtype, torch_model), 30.0
+    )
+    if model is not None:
+        graphdef, params = model
+        results["step_times"][first] = step_times(recorder, first, graphdef, params, plan.step_batches[:1])
+        results["ar"] = recorder.run_attention(
+            f"AR tok/s {first}",
+            lambda attention: ar_comparison(
+                graphdef, params, torch_model, config, plan.ar_new_tokens, attention
+            ),
+            60.0,
+        )
+    torch_model = None  # free the torch copy (and its cached device memory) before the kernel sweep
+    _release_torch_memory()
+
+    # 3: the kernel sweep.
+    for batch in plan.kernel_batches:
+        for prefix in plan.kernel_prefixes:
+            for nodes in plan.kernel_nodes:
+                row = recorder.run(
+                    f"kernel batch {batch} prefix {prefix} nodes {nodes}",
+                    lambda b=batch, p=prefix, n=nodes: kernel_row(b, p, n, plan, peak),
+                    6.0,
+                )
+                if row is not None:
+                    results["kernel"].append(row)
+
+    # Then the other models at batch 1, then the larger batches.
+    others = [m for m in plan.step_models if m != first]
+    for name in others:
+        built = recorder.run(
+            f"random jax model {name}", lambda n=name: random_model(MODEL_SHAPES[n], plan.dtype), 20.0
+        )
+        if built is not None:
+            results["step_times"][name] = step_times(recorder, name, *built, plan.step_batches[:1])
+    if model is not None:
+        results["step_times"][first].update(step_times(recorder, first, *model, plan.step_batches[1:]))
+
+    v_batch1 = results["step_times"].get(first, {}).get(plan.step_batches[0], {}).get("v", {})
+    results["predictions"] = predictions(cpu_bench_methods(bench_dir), v_batch1)
+    results["skipped"] = recorder.skipped
+    results["errors"] = recorder.errors
+    results["elapsed_s"] = budget.elapsed()
+    return results
+
+
+def _fmt(x: Any, spec: str = ".3g") -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def report_markdown(results: dict, command: str) -> str:
+    lines = [
+        "# Accelerator check",
+        "",
+        f"`{command}` on {results['device']} ({results['backend']}, jax {results['jax']}), "
+        f"{results['elapsed_s']:.0f} s."
+        + (" SMOKE RUN: tiny shapes on CPU, times are not meaningful." if results["smoke"] else ""),
+        "",
+        "## Decode and verify step times (one compiled loop, random weights)",
+        "",
+        "v(N) = verify step over N nodes / decode step; prefix "
+        f"{results['plan']['step_prefix']} tokens, {results['plan']['dtype']}.",
+        "",
+    ]
+    nodes = results["plan"]["step_nodes"]
+    lines += ["| model | batch | attention | decode ms | " + " | ".join(f"v({n})" for n in nodes) + " |"]
+    lines += ["|" + "---|" * (4 + len(nodes))]
+    for name, by_batch in results["step_times"].items():
+        for batch, r in sorted(by_batch.items()):
+            vs = " | ".join(_fmt(r["v"].get(n), ".2f") for n in nodes)
+            lines.append(f"| {name} | {batch} | {r['attention']} | {r['decode_s'] * 1e3:.2f} | {vs} |")
+    ar = results["ar"]
+    lines += [
+        "",
+        f"## Autoregressive tokens/s, batch 1 ({results['plan']['ar_model']} shapes, random weights)",
+        "",
+    ]
+    if ar:
+        lines += [
+            "| attention | jaxspec tok/s | transformers tok/s | ratio | leading greedy tokens equal |",
+            "|---|---|---|---|---|",
+            f"| {ar['attention']} | {_fmt(ar['jaxspec_tok_s'], '.1f')} | "
+            f"{_fmt(ar.get('transformers_tok_s'), '.1f')} | "
+            f"{_fmt(ar.get('ratio'), '.2f')} | {ar.get('leading_tokens_equal', '—')} / {ar['new_tokens']} |",
+        ]
+    else:
+        lines.append("not measured (see errors / skipped)")
+    lines += ["", "## Tree attention: Pallas kernel vs XLA reference vs jax.nn.dot_product_attention", ""]
+    q_heads, kv_heads, head_dim = results["plan"]["kernel_heads"]
+    lines += [f"Hq={q_heads} Hkv={kv_heads} D={head_dim}; bandwidth = K/V bytes read / kernel time.", ""]
+    lines += [
+        "| batch | prefix | nodes | kernel us | reference us | dot_product_attention us | GB/s | of peak "
+        "| max err |"
+    ]
+    lines += ["|" + "---|" * 9]
+    for r in results["kernel"]:
+        lines.append(
+            f"| {r['batch']} | {r['prefix']} | {r['nodes']} | {r['kernel_us']:.1f} | "
+            f"{r['reference_us']:.1f} | "
+            f"{r['dot_product_attention_us']:.1f} | {r['kernel_gbps']:.1f} | {_fmt(r['of_peak'], '.1%')} | "
+            f"{r['max_abs_err']:.2e} |"
+        )
+    lines += ["", "## Predicted speedups on this device", ""]
+    lines += [
+        "τ from the CPU benchmark JSON, v(N) measured here at batch 1, c from the CPU run: τ / (v(N) + γ·c).",
+        "",
+    ]
+    lines += ["| bench | method | τ | γ | N | v(N) | c (CPU) | predicted | CPU measured |", "|" + "---|" * 9]
+    for p in results["predictions"]:
+        lines.append(
+            f"| {p['bench']} | {p['label']} | {p['tau']:.2f} | {p['gamma']} | {p['nodes']} | "
+            f"{_fmt(p['v_device'], '.2f')} | "
+            f"{p['c_cpu']:.3f} | {_fmt(p['predicted_speedup'], '.2f')} | {_fmt(p['cpu_speedup'], '.2f')} |"
+        )
+    lines += ["", f"Skipped (time budget): {', '.join(results['skipped']) or 'none'}.", ""]
+    if results["errors"]:
+        lines += (
+            ["## Errors", ""]
+            + [f"- {k}: `{v.splitlines()[-1]}`" for k, v in results["errors"].items()]
+            + [""]
+        )
+    return "\n".join(lines)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    return x
+
+
+def write_report(results: dict, out_dir: Path, command: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(_jsonable(results), indent=1) + "\n")
+    (out_dir / "report.md").write_text(report_markdown(results, command))

@@ -1,0 +1,93 @@
+"""scripts/accelerator_check.py --smoke: the accelerator run's code path, on CPU at tiny shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_a_well_formed_report(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "scripts/accelerator_check.py", "--smoke", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert elapsed < 150, f"smoke run took {elapsed:.0f} s"
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["smoke"] and results["skipped"] == [] and results["errors"] == {}
+    assert results["elapsed_s"] < 90, (
+        f"smoke measurements took {results['elapsed_s']:.0f} s (imports excluded)"
+    )
+    steps = results["step_times"]["tiny"]
+    assert sorted(steps) == ["1", "2"]
+    for by_batch in steps.values():
+        assert by_batch["decode_s"] > 0 and sorted(by_batch["v"]) == ["1", "4"]
+    ar = results["ar"]
+    assert ar["jaxspec_tok_s"] > 0 and ar["transformers_tok_s"] > 0 and ar["ratio"] > 0
+    assert ar["leading_tokens_equal"] >= 1  # same weights on both sides: the first greedy token agrees
+    (row,) = results["kernel"]
+    assert row["max_abs_err"] < 5e-2 and row["kernel_us"] > 0 and row["dot_product_attention_us"] > 0
+    predicted = [p for p in results["predictions"] if p["predicted_speedup"] is not None]
+    assert predicted, "no method of the CPU benchmarks got a prediction"
+    for p in predicted:
+        assert p["predicted_speedup"] == pytest.approx(p["tau"] / (p["v_device"] + p["gamma"] * p["c_cpu"]))
+
+    report = (tmp_path / "report.md").read_text()
+    for heading in ("Decode and verify step times", "Autoregressive tokens/s", "Tree attention", "Predicted"):
+        assert f"## {heading}" in report
+    assert "| tiny | 1 | auto |" in report and "SMOKE RUN" in report
+    assert ar["attention"] == "auto" and steps["1"]["attention"] == "auto"
+
+
+def test_a_failing_kernel_falls_back_to_reference_attention_and_the_budget_skips():
+    import dataclasses
+
+    from jaxspec.bench.accelerator import FULL_PLAN, Budget, Recorder
+
+    recorder = Recorder(FULL_PLAN, Budget(60.0))
+
+    def measure(attention: str) -> dict:
+        if attention == "auto":
+            raise RuntimeError("Triton lowering failed")
+        return {"seconds": 1.0}
+
+    assert recorder.run_attention("step", measure, 1.0) == {"seconds": 1.0, "attention": "reference"}
+    assert "Triton lowering failed" in recorder.errors["step"]
+    assert recorder.run_attention("late", measure, 120.0) is None  # over the budget: not started
+    assert recorder.skipped == ["late"] and "late" not in recorder.errors
+    smoke = Recorder(dataclasses.replace(FULL_PLAN, smoke=True), Budget(60.0))
+    with pytest.raises(RuntimeError, match="Triton"):  # the CPU smoke run raises instead
+        smoke.run_attention("step", measure, 1.0)
+
+
+def test_random_weights_are_the_same_model_in_torch_and_jaxspec():
+    """The AR comparison's premise: the torch model's random tensors loaded into jaxspec give the same
+    logits (Llama-3.1 rope scaling, as the 8B shape uses)."""
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from jaxspec.bench.accelerator import MODEL_SHAPES, random_model, torch_random_model
+    from jaxspec.model import _full_logits
+
+    config = MODEL_SHAPES["tiny"].replace(rope_scaling=(8.0, 1.0, 4.0, 64), rope_theta=500000.0)
+    torch_model = torch_random_model(config, "float32")
+    graphdef, params = random_model(config, "float32", torch_model)
+    ids = np.random.default_rng(0).integers(1, config.vocab_size, 256).astype(np.int32)
+    ours = np.asarray(_full_logits(graphdef, params, jnp.asarray(ids)[None], config=config))[0]
+    with torch.no_grad():
+        theirs = torch_model(torch.as_tensor(ids[None]).long()).logits[0].numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
