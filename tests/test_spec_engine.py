@@ -164,3 +164,38 @@ def test_spec_config_round_trips_through_json_as_a_hashable_config():
     assert jaxspec.SpecConfig.from_dict({"method": "mtp", "extra": {"mtp_num_modules": 2}}).extra == (
         ("mtp_num_modules", 2),
     )
+
+
+MIXED_SAMPLING = [
+    jaxspec.SamplingParams(temperature=0.0),
+    jaxspec.SamplingParams(temperature=0.9),
+    jaxspec.SamplingParams(temperature=1.0, top_k=20),
+    jaxspec.SamplingParams(temperature=1.0, top_p=0.5),
+    jaxspec.SamplingParams(temperature=1.2, top_p=0.95),  # a nucleus beyond the 64 largest: radix path
+]
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "ngram_chain", "ngram_tree"])
+def test_mixed_sampling_request_alone_equals_inside_any_batch(tiny, name):
+    """Every request keeps its tokens alone and next to requests with any other sampling parameters
+    (greedy, temperature only, top-k, top-p 0.5 and 0.95: one batch holds every pair of neighbours, a
+    second one the reverse order)."""
+    spec = None if name == "autoregressive" else SPECS[name]
+    prompts = PROMPTS + [REPETITIVE + [7, 7, 7]]
+    n = len(prompts)
+    kwargs = {"max_new_tokens": 20, "spec": spec}
+    alone = [
+        jaxspec.generate(tiny, [prompts[i]], sampling=MIXED_SAMPLING[i], seed=i, request_ids=[i], **kwargs)[0]
+        for i in range(n)
+    ]
+    for order in (list(range(n)), list(reversed(range(n)))):
+        batch = jaxspec.generate(
+            tiny,
+            [prompts[i] for i in order],
+            sampling=[MIXED_SAMPLING[i] for i in order],
+            seed=order,
+            request_ids=order,
+            **kwargs,
+        )
+        for completion, i in zip(batch, order, strict=True):
+            assert completion.token_ids == alone[i].token_ids, (name, i, order)

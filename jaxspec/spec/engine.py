@@ -125,7 +125,7 @@ def speculative_loop(
         accept_keys = sampling.round_key(requests.seeds, requests.request_ids, s.round_idx)
         result = sampling.verify_tree(
             tree, target_probs, accept_keys, mode=spec.acceptance, max_depth=depth,
-            typical_epsilon=spec.typical_epsilon, typical_delta=spec.typical_delta,
+            posterior_threshold=spec.posterior_threshold, posterior_alpha=spec.posterior_alpha,
         )  # fmt: skip
         num_accepted = jnp.where(active, result.num_accepted, 0)
         cache = commit_path(cache, result.path, jnp.where(active, num_accepted + 1, 0), window=n_nodes)
