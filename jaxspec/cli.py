@@ -20,10 +20,11 @@ def _spec_from_args(args: argparse.Namespace):
     """SpecConfig from --spec / --head / --num-speculative-tokens / --topk (None: autoregressive).
 
     A head method (medusa, eagle, eagle3, mtp) without --head uses the head shipped for --model in
-    configs/heads/; with neither it is an error (a random head would accept nothing)."""
+    configs/heads/ (found from the package); with neither it is an error (a random head would accept
+    nothing): the same rule as the API (`jaxspec.models.heads.shipped.resolve_head`)."""
     from jaxspec.config import SpecConfig
     from jaxspec.errors import InputError
-    from jaxspec.models.heads.shipped import HEAD_METHODS, SHIPPED_HEADS_DIR, shipped_head
+    from jaxspec.models.heads.shipped import HEAD_METHODS, shipped_head, shipped_heads_dir
 
     if args.spec is None or args.spec.strip().lower() in ("none", "off", "ar"):
         return None
@@ -35,7 +36,7 @@ def _spec_from_args(args: argparse.Namespace):
         if head is None:
             raise InputError(
                 f"--spec {args.spec}: no trained head for model {args.model!r} in "
-                f"{SHIPPED_HEADS_DIR / args.model / args.spec}; pass --head DIR (see `jaxspec train`)"
+                f"{shipped_heads_dir() / args.model / args.spec}; pass --head DIR (see `jaxspec train`)"
             )
     return SpecConfig(
         method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head

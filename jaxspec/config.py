@@ -88,7 +88,9 @@ class SpecConfig:
     posterior_alpha: float = 0.3
     ngram_min: int = 1
     ngram_max: int = 4
-    head: str | None = None  # path of a draft head checkpoint, or a draft model name/path
+    # head methods: a head checkpoint dir, None = the head shipped for the model, "random" = seeded random
+    # head; draft_model: a draft model name/path (None = the target itself)
+    head: str | None = None
     draft_num_layers: int | None = None  # draft_model: keep only the first N layers (self-drafting)
     tree_choices: tuple[tuple[int, ...], ...] | None = None  # static (Medusa-style) tree
     attention: str = "auto"
