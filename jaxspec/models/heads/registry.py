@@ -102,7 +102,7 @@ def _head_for(model, spec: SpecConfig) -> DraftHead:
         return init_head(random_head_config(model, spec), model.dtype, int(_extra(spec).get("seed", 0)))
     from jaxspec.models.heads.loaders import load_head
 
-    path = resolve_head(model.source, spec.method, spec.head)
+    path = spec.head if spec.head is not None else resolve_head(model.source, spec.method, None)
     return load_head(path, spec.method, model.config, model.dtype, _extra(spec))
 
 
