@@ -130,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate from --prompt, or a JSONL batch job with --input")
     _add_generation_args(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    gen.add_argument("--input", help="JSONL requests (batch job); see scripts/generate.py")
-    gen.add_argument("--output", help="JSONL results (batch job)")
+    gen.add_argument("--input", help="JSONL requests: a resumable batch job (fields: README, Batch jobs)")
+    gen.add_argument("--output", help="JSONL results (batch job; rerun with the same file to resume)")
+    from jaxspec.batch_job import add_job_options
+
+    add_job_options(gen.add_argument_group("batch job (with --input)"))
     demo = sub.add_parser(
         "demo", help="run the default model on a few built-in prompts, drafting with its best shipped head"
     )
