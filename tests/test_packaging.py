@@ -11,6 +11,7 @@ not this checkout (an editable install in the environment comes after PYTHONPATH
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,10 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("wheel")
+    # A clean copy: no stale build/ output of an earlier build can slip into the wheel.
+    ignore = shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache")
+    source = shutil.copytree(REPO, work / "src", ignore=ignore)
     wheels = work / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels)]
-        + [str(REPO)],
+        + [str(source)],
         check=True,
         cwd=work,
     )
@@ -79,5 +83,9 @@ def test_installed_cli_generates_with_the_shipped_head_from_an_empty_folder(inst
 
 
 def test_installed_demo_runs_from_an_empty_folder(installed, tmp_path):
-    out = _run(installed, tmp_path, str(installed / "bin" / "jaxspec"), "demo", "--max-new-tokens", "4")
+    out = _run(
+        installed, tmp_path, str(installed / "bin" / "jaxspec"),
+        "demo", "--max-new-tokens", "6", "--prompt", "Name a colour.",
+    )  # fmt: skip
     assert str(installed / "jaxspec" / "configs" / "heads" / "smollm2-135m" / "eagle3") in out
+    assert "decode tok/s" in out and "summary: eagle3 chain of 3 vs autoregressive, 1 prompt:" in out
