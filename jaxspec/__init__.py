@@ -1,7 +1,7 @@
 """jaxspec: JAX-native speculative decoding.
 
-`generate`, `load`, `Model` and `Completion` import jax on first use (PEP 562 `__getattr__`), so the
-command line answers `--help` without paying for jax.
+`generate`, `Model` and `Completion` import jax on first use (PEP 562 `__getattr__`; `load` imports it
+when called), so the command line answers `--help` without paying for jax.
 """
 
 from __future__ import annotations
@@ -11,16 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 from jaxspec.config import ModelConfig, SamplingParams, SpecConfig
 from jaxspec.errors import InputError, JaxspecError, ModelLoadError, TemplateError
+from jaxspec.load import load  # eager (it imports jax when called): the submodule never shadows it
 
 if TYPE_CHECKING:
     from jaxspec.generation import Completion, generate
-    from jaxspec.load import load
     from jaxspec.model import Model
 
 _LAZY = {
     "Completion": "jaxspec.generation",
     "generate": "jaxspec.generation",
-    "load": "jaxspec.load",
     "Model": "jaxspec.model",
 }
 
