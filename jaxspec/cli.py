@@ -93,9 +93,27 @@ def _describe(spec) -> str:
     return f"{spec.method} {shape}"
 
 
+class _Printer:
+    """Streams a generation to the terminal: `__call__` gets the new tokens so far (from the compiled
+    loop's host callback) and prints the text not printed yet."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def __call__(self, ids: list[int]) -> None:
+        if len(ids) <= len(self.ids):
+            return  # a repeated or late (out of order) snapshot
+        self.ids = ids
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
+        if text.startswith(self.text):  # else a merge changed earlier text: print once the tail settles
+            print(text[len(self.text) :], end="", flush=True)
+            self.text = text
+
+
 def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
-    """`jaxspec generate --prompt`: one generation per prompt (no hidden warm-up run); the first call
-    of a shape includes its compilation, which the printed time says."""
+    """`jaxspec generate --prompt`: one generation per prompt (no hidden warm-up run), its tokens
+    streamed as the compiled loop's steps / rounds finish; the first call of a shape includes its
+    compilation, which the printed time says."""
     import jaxspec
 
     model, sampling, spec, inputs = _prepare(args, prompts)
@@ -104,11 +122,13 @@ def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
     for prompt, inp in zip(prompts, inputs, strict=True):
         print(f"### prompt: {prompt}", flush=True)
         start = time.perf_counter()
+        printer = _Printer(model.tokenizer)
         (c,) = jaxspec.generate(
-            model, [inp], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, spec=spec
-        )
+            model, [inp], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, spec=spec,
+            stream=printer,
+        )  # fmt: skip
         elapsed = time.perf_counter() - start
-        print(f"{c.text}\n")
+        print(c.text[len(printer.text) :] if c.text.startswith(printer.text) else f"\n{c.text}", end="\n\n")
         line = f"[{len(c.token_ids)} tokens in {elapsed:.2f}s, compilation included"
         if spec is not None:
             line += f", mean accepted length {c.stats['mean_accepted_length']:.2f}"
