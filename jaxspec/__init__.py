@@ -1,10 +1,27 @@
-"""jaxspec: JAX-native speculative decoding."""
+"""jaxspec: JAX-native speculative decoding.
+
+`generate`, `Model` and `Completion` import jax on first use (PEP 562 `__getattr__`; `load` imports it
+when called), so the command line answers `--help` without paying for jax.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from jaxspec.config import ModelConfig, SamplingParams, SpecConfig
 from jaxspec.errors import InputError, JaxspecError, ModelLoadError, TemplateError
-from jaxspec.generation import Completion, generate
-from jaxspec.load import load
-from jaxspec.model import Model
+from jaxspec.load import load  # eager (it imports jax when called): the submodule never shadows it
+
+if TYPE_CHECKING:
+    from jaxspec.generation import Completion, generate
+    from jaxspec.model import Model
+
+_LAZY = {
+    "Completion": "jaxspec.generation",
+    "generate": "jaxspec.generation",
+    "Model": "jaxspec.model",
+}
 
 __all__ = [
     "Completion",
@@ -19,3 +36,12 @@ __all__ = [
     "generate",
     "load",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxspec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

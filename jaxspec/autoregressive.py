@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
 from jaxspec.forward import lm_logits, model_forward
-from jaxspec.output_buffer import OutputBuffer, append_tokens
+from jaxspec.output_buffer import OutputBuffer, append_tokens, stream_first_row
 from jaxspec.prefill import Requests, prefill
 from jaxspec.sharding import constrain_cache
 from jaxspec.spec import sampling
@@ -32,7 +32,8 @@ class DecodeState:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "config", "max_len", "capacity", "eos_ids", "attention", "mesh")
+    jax.jit,
+    static_argnames=("graphdef", "config", "max_len", "capacity", "eos_ids", "attention", "mesh", "stream"),
 )
 def generate_autoregressive(
     graphdef: nnx.GraphDef,
@@ -45,12 +46,13 @@ def generate_autoregressive(
     eos_ids: tuple[int, ...],
     attention: str = "auto",
     mesh: Mesh | None = None,
+    stream: bool = False,
 ) -> tuple[OutputBuffer, jax.Array]:
     """Prefill + decode loop, one compiled program per (batch, prompt, length) bucket.
 
     Returns the output buffer ([B, capacity] tokens, counts, EOS flags) and steps [B], the number of
     target forwards each row used after prefill. mesh: keep the KV cache sharded over it (None = one
-    device).
+    device). stream: hand row 0's tokens to the host after every step (`output_buffer.streaming_to`).
     """
     batch = requests.prompt_tokens.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
@@ -59,6 +61,8 @@ def generate_autoregressive(
         OutputBuffer.empty(batch, capacity), pre.first_token[:, None], jnp.ones((batch,), jnp.int32),
         requests.max_new_tokens, eos,
     )  # fmt: skip
+    if stream:
+        stream_first_row(out)
     one_node_mask = jnp.ones((batch, 1, 1), dtype=bool)
 
     def step(state: DecodeState) -> DecodeState:
@@ -73,6 +77,8 @@ def generate_autoregressive(
         token = sampling.sample_from_probs(probs, keys)
         out, _ = append_tokens(state.out, token[:, None], jnp.ones((batch,), jnp.int32),
                                requests.max_new_tokens, eos)  # fmt: skip
+        if stream:
+            stream_first_row(out)
         return DecodeState(cache=cache, pending=token, out=out, step=state.step + 1)
 
     state = DecodeState(cache=pre.cache, pending=pre.first_token, out=out, step=jnp.int32(1))

@@ -18,7 +18,9 @@ in the output are skipped (a partial last line left by a kill is cut off and rec
 writes only to an output it created (sidecar OUTPUT.jaxspec-state, see `jaxspec.batch.output_file`),
 holds a lock on it while it runs, and refuses an --output / --errors that is the input. The output is
 keyed by id alone: a rerun does not redo an id whose parameters changed in the input. Each request's
-randomness comes from (seed, id), so resumed and uninterrupted runs give the same tokens.
+randomness comes from (seed, id), and batches are planned over the whole input (finished requests
+included), so a resumed request keeps its planned batch size and with it the draft shape --policy auto
+picks: resumed and uninterrupted runs give the same tokens (same command, same --batch-size).
 
 Prompts: `prompt` text is rendered as one user message with the model's chat template (as
 `jaxspec generate --prompt` does) unless --no-chat; `messages` always use the template; `prompt_ids`
@@ -53,7 +55,7 @@ from jaxspec.batch.requests import (
     tokenize_requests,
 )
 from jaxspec.batch.results import check_errors_file, open_results, write_issues
-from jaxspec.batch.schedule import plan_batches
+from jaxspec.batch.schedule import plan_pending
 from jaxspec.batch.summary import RunStats, format_summary, plot_summary, write_summary_json
 from jaxspec.buckets import batch_bucket
 from jaxspec.errors import InputError, JaxspecError
@@ -77,7 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, help="JSONL requests (see jaxspec/batch/requests.py)")
     p.add_argument("--output", required=True, help="JSONL results; rerun with the same file to resume")
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF directory")
-    p.add_argument("--batch-size", type=int, default=16, help="requests per generate call")
     defaults = p.add_argument_group("defaults for requests that leave a parameter out")
     defaults.add_argument("--max-new-tokens", type=int, default=128)
     defaults.add_argument("--temperature", type=float, default=0.0)
@@ -94,11 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft length (--policy fixed; --spec defaults to ngram)",
     )
     spec.add_argument("--topk", type=int, default=None, help="branches per node (--policy fixed)")
-    spec.add_argument(
+    add_job_options(p)
+    return p
+
+
+def add_job_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The options only a batch job has (`jaxspec generate --help` lists them too)."""
+    p.add_argument("--batch-size", type=int, default=16, help="requests per generate call")
+    p.add_argument(
         "--policy", choices=("auto", "off", "fixed"), default="auto",
         help="auto: batch-aware draft shape / off switch (default); fixed: --spec as given; off: none",
     )  # fmt: skip
-    spec.add_argument("--policy-json", default=None, help="policy table (JSON string or file) for auto")
+    p.add_argument("--policy-json", default=None, help="policy table (JSON string or file) for auto")
     p.add_argument("--skip-invalid", action="store_true", help="write bad lines to --errors, run the rest")
     p.add_argument(
         "--errors", default=None, help="errors JSONL for --skip-invalid (default OUTPUT.errors.jsonl)"
@@ -106,7 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", default=None, help="also write the run summary as JSON here")
     p.add_argument("--plot", default=None, help="also plot acceptance by depth and tokens/s to this PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def base_spec(args: argparse.Namespace):
@@ -215,23 +222,24 @@ def validated_requests(args: argparse.Namespace) -> tuple[Any, list[TokenizedReq
 
 def generate_batches(
     model: Any,
-    batches: list[list[TokenizedRequest]],
+    batches: list[tuple[list[TokenizedRequest], int]],
     writer: Any,
     pick_spec: Callable[[int], Any],
     stats: RunStats,
     show_progress: bool = True,
 ) -> None:
-    """Generate each batch with the speculation `pick_spec(rows)` returns (SpecConfig or None), append
-    its results (one write + fsync per batch), update the stats and the progress bar."""
+    """Generate each (batch, planned rows) with the speculation `pick_spec(planned rows)` returns
+    (SpecConfig or None; `plan_pending`: a resumed batch keeps its planned shape), append its results
+    (one write + fsync per batch), update the stats and the progress bar."""
     from tqdm import tqdm
 
     from jaxspec.spec.policy import describe_spec
 
-    total = sum(len(b) for b in batches)
+    total = sum(len(b) for b, _ in batches)
     with tqdm(total=total, unit="req", desc="generate", disable=not show_progress, file=sys.stderr) as bar:
-        for batch in batches:
+        for batch, planned_rows in batches:
             # The policy sees the compiled batch's rows: padding rows cost as much as real ones.
-            spec = pick_spec(batch_bucket(len(batch)))
+            spec = pick_spec(batch_bucket(planned_rows))
             label = describe_spec(spec)
             start = time.perf_counter()
             completions = _generate_batch(model, batch, spec)
@@ -264,7 +272,7 @@ def run_job(args: argparse.Namespace) -> int:
     stats = RunStats(invalid=len(issues), skipped_done=len(ready) - len(pending))
     try:
         with writer:
-            batches = plan_batches(pending, args.batch_size)
+            batches = plan_pending(ready, args.batch_size, done)
             generate_batches(model, batches, writer, pick_spec, stats, show_progress=not args.no_progress)
     except KeyboardInterrupt:
         print(f"\njaxspec: interrupted; rerun the same command to resume ({args.output})", file=sys.stderr)

@@ -20,10 +20,11 @@ def _spec_from_args(args: argparse.Namespace):
     """SpecConfig from --spec / --head / --num-speculative-tokens / --topk (None: autoregressive).
 
     A head method (medusa, eagle, eagle3, mtp) without --head uses the head shipped for --model in
-    configs/heads/; with neither it is an error (a random head would accept nothing)."""
+    configs/heads/ (found from the package); with neither it is an error (a random head would accept
+    nothing): the same rule as the API (`jaxspec.models.heads.shipped.resolve_head`)."""
     from jaxspec.config import SpecConfig
     from jaxspec.errors import InputError
-    from jaxspec.models.heads.shipped import HEAD_METHODS, SHIPPED_HEADS_DIR, shipped_head
+    from jaxspec.models.heads.shipped import HEAD_METHODS, shipped_head, shipped_heads_dir
 
     if args.spec is None or args.spec.strip().lower() in ("none", "off", "ar"):
         return None
@@ -35,7 +36,7 @@ def _spec_from_args(args: argparse.Namespace):
         if head is None:
             raise InputError(
                 f"--spec {args.spec}: no trained head for model {args.model!r} in "
-                f"{SHIPPED_HEADS_DIR / args.model / args.spec}; pass --head DIR (see `jaxspec train`)"
+                f"{shipped_heads_dir() / args.model / args.spec}; pass --head DIR (see `jaxspec train`)"
             )
     return SpecConfig(
         method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head
@@ -70,39 +71,142 @@ def _demo_default_spec(model: str) -> str | None:
     return "eagle3" if shipped_head(model, "eagle3") is not None else None
 
 
-def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
+def _prepare(args: argparse.Namespace, prompts: list[str]):
+    """(model, sampling, spec, model inputs) for --prompt / the demo; prints what it loads."""
     import jaxspec
 
+    print(f"loading {args.model} ...", flush=True)
     model = jaxspec.load(args.model)
     try:
         sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as exc:  # names the parameter: SamplingParams.top_k must be ...
         raise jaxspec.InputError(str(exc)) from None
     spec = _spec_from_args(args)
-    if spec is None:
-        print("decoding: autoregressive\n")
-    else:
-        shape = f"chain of {spec.num_speculative_tokens}" if spec.topk == 1 else f"tree (top-{spec.topk})"
-        print(f"decoding: speculative, {spec.method}{f' head {spec.head}' if spec.head else ''}, {shape}\n")
     if args.no_chat or model.tokenizer is None or model.tokenizer.chat_template is None:
-        inputs = prompts
+        inputs = list(prompts)
     else:
         inputs = [model.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
-    # A prompt's first call compiles for its length bucket; time a second identical call for the
-    # steady-state figure.
-    for inp in inputs:
-        jaxspec.generate(model, [inp], max_new_tokens=args.max_new_tokens, sampling=sampling, spec=spec)
+    return model, sampling, spec, inputs
+
+
+def _describe(spec) -> str:
+    if spec is None:
+        return "autoregressive"
+    shape = f"chain of {spec.num_speculative_tokens}" if spec.topk == 1 else f"tree (top-{spec.topk})"
+    return f"{spec.method} {shape}"
+
+
+class _Printer:
+    """Streams a generation to the terminal: `__call__` gets the new tokens so far (from the compiled
+    loop's host callback) and prints the text not printed yet."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def __call__(self, ids: list[int]) -> None:
+        if len(ids) <= len(self.ids):
+            return  # a repeated or late (out of order) snapshot
+        self.ids = ids
+        text = self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
+        if text.startswith(self.text):  # else a merge changed earlier text: print once the tail settles
+            print(text[len(self.text) :], end="", flush=True)
+            self.text = text
+
+
+def _run_prompts(args: argparse.Namespace, prompts: list[str]) -> None:
+    """`jaxspec generate --prompt`: one generation per prompt (no hidden warm-up run), its tokens
+    streamed as the compiled loop's steps / rounds finish; the first call of a shape includes its
+    compilation, which the printed time says."""
+    import jaxspec
+
+    model, sampling, spec, inputs = _prepare(args, prompts)
+    head = f", head {spec.head}" if spec is not None and spec.head else ""
+    print(f"decoding: {_describe(spec)}{head}\n", flush=True)
     for prompt, inp in zip(prompts, inputs, strict=True):
+        print(f"### prompt: {prompt}", flush=True)
         start = time.perf_counter()
+        printer = _Printer(model.tokenizer)
         (c,) = jaxspec.generate(
-            model, [inp], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, spec=spec
-        )
+            model, [inp], max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, spec=spec,
+            stream=printer,
+        )  # fmt: skip
         elapsed = time.perf_counter() - start
-        print(f"### prompt: {prompt}\n{c.text}\n")
-        line = f"[{len(c.token_ids)} tokens in {elapsed:.2f}s = {len(c.token_ids) / elapsed:.1f} tokens/s"
+        print(c.text[len(printer.text) :] if c.text.startswith(printer.text) else f"\n{c.text}", end="\n\n")
+        line = f"[{len(c.token_ids)} tokens in {elapsed:.2f}s, compilation included"
         if spec is not None:
             line += f", mean accepted length {c.stats['mean_accepted_length']:.2f}"
         print(line + f", finish={c.finish_reason}]\n", flush=True)
+
+
+def _timed_run(
+    model, inp, args: argparse.Namespace, sampling, spec, warm: set
+) -> tuple[object, float, float]:
+    """(completion, time to first token s, decode tokens/s) of one prompt, compiled programs warmed first.
+
+    TTFT: a one-token call (prefill + first token). Decode rate: the tokens after the first over the
+    full call's time minus the TTFT, so prompt processing and compilation are not folded into it."""
+    import jaxspec
+    from jaxspec.buckets import length_bucket
+
+    def run(max_new: int):
+        return jaxspec.generate(
+            model, [inp], max_new_tokens=max_new, sampling=sampling, seed=args.seed, spec=spec
+        )[0]
+
+    key = (length_bucket(len(inp)), _describe(spec))
+    if key not in warm:
+        print(f"  compiling {key[1]} for prompts of up to {key[0]} tokens ...", flush=True)
+        run(1)
+        run(args.max_new_tokens)
+        warm.add(key)
+    start = time.perf_counter()
+    run(1)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    c = run(args.max_new_tokens)
+    total = time.perf_counter() - start
+    decode = (len(c.token_ids) - 1) / max(total - ttft, 1e-9)
+    return c, ttft, decode
+
+
+def _run_demo(args: argparse.Namespace, prompts: list[str]) -> None:
+    """`jaxspec demo`: per prompt, autoregressive decoding and the default drafter side by side (time to
+    first token, decode tokens/s, mean accepted length tau, speedup), then a one-line summary."""
+    model, sampling, spec, inputs = _prepare(args, prompts)
+    methods = [None] if spec is None else [None, spec]
+    head = f" (head {spec.head})" if spec is not None and spec.head else ""
+    print(f"comparing: {' vs '.join(_describe(m) for m in methods)}{head}\n", flush=True)
+    warm: set = set()
+    rows: list[list[tuple[float, float, float]]] = []
+    same = 0
+    for prompt, inp in zip(prompts, inputs, strict=True):
+        print(f"### prompt: {prompt}", flush=True)
+        results = [_timed_run(model, inp, args, sampling, m, warm) for m in methods]
+        print(f"{results[-1][0].text}\n")
+        same += results[0][0].token_ids == results[-1][0].token_ids
+        print(f"  {'method':<24} {'TTFT':>8} {'decode tok/s':>13} {'tau':>6} {'speedup':>8}")
+        row = []
+        for m, (c, ttft, decode) in zip(methods, results, strict=True):
+            tau = c.stats["mean_accepted_length"] if m is not None else 1.0
+            speedup = decode / results[0][2]
+            print(f"  {_describe(m):<24} {ttft:>7.3f}s {decode:>13.1f} {tau:>6.2f} {speedup:>7.2f}x")
+            row.append((ttft, decode, tau))
+        rows.append(row)
+        print(flush=True)
+    n = len(rows)
+    prompts_text = f"{n} prompt{'s' if n != 1 else ''}"
+    mean = [tuple(sum(r[i][j] for r in rows) / n for j in range(3)) for i in range(len(methods))]
+    if spec is None:
+        print(
+            f"summary: autoregressive, {prompts_text}: TTFT {mean[0][0]:.3f}s, decode {mean[0][1]:.1f} tok/s"
+        )
+        return
+    print(
+        f"summary: {_describe(spec)} vs autoregressive, {prompts_text}: decode {mean[1][1]:.1f} vs "
+        f"{mean[0][1]:.1f} tok/s ({mean[1][1] / mean[0][1]:.2f}x), mean tau {mean[1][2]:.2f}, TTFT "
+        f"{mean[1][0]:.3f}s vs {mean[0][0]:.3f}s; identical outputs {same}/{n}"
+        + (" (greedy: speculation is lossless)" if sampling.temperature == 0 else "")
+    )
 
 
 # Subcommands that live with their feature: module path -> that module has
@@ -132,14 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate from --prompt, or a JSONL batch job with --input")
     _add_generation_args(gen)
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    gen.add_argument("--input", help="JSONL requests (batch job); see scripts/generate.py")
-    gen.add_argument("--output", help="JSONL results (batch job)")
+    gen.add_argument("--input", help="JSONL requests: a resumable batch job (fields: README, Batch jobs)")
+    gen.add_argument("--output", help="JSONL results (batch job; rerun with the same file to resume)")
+    from jaxspec.batch_job import add_job_options
+
+    add_job_options(gen.add_argument_group("batch job (with --input)"))
     demo = sub.add_parser(
         "demo", help="run the default model on a few built-in prompts, drafting with its best shipped head"
     )
     _add_generation_args(
         demo, spec_default_help="eagle3 with the model's shipped head if it has one", default_draft_length=3
     )
+    demo.add_argument("--prompt", action="append", help="your own prompt instead of the built-in ones")
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "generate" and args.input:
@@ -159,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "demo":
             if args.spec is None:
                 args.spec = _demo_default_spec(args.model)
-            _run_prompts(args, list(DEMO_PROMPTS))
+            _run_demo(args, args.prompt or list(DEMO_PROMPTS))
     except Exception as exc:
         from jaxspec.errors import JaxspecError
 

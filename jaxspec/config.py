@@ -100,6 +100,8 @@ class SpecConfig:
     num_draft_tokens: tree size kept for verification (dynamic trees); None = chain.
     acceptance: "exact" (lossless, default), "greedy" (argmax match) or "typical_lossy" (Medusa's
         typical acceptance: faster, *not* distribution preserving).
+    posterior_threshold, posterior_alpha: typical_lossy accepts a draft token x iff
+        p(x) > min(posterior_threshold, posterior_alpha * exp(-entropy(p))): Medusa's names and defaults.
     attention: "auto" | "reference" | "pallas" verify attention implementation.
     """
 
@@ -108,11 +110,13 @@ class SpecConfig:
     topk: int = 1
     num_draft_tokens: int | None = None
     acceptance: str = "exact"
-    typical_epsilon: float = 0.3
-    typical_delta: float = 0.09
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
     ngram_min: int = 1
     ngram_max: int = 4
-    head: str | None = None  # path of a draft head checkpoint, or a draft model name/path
+    # head methods: a head checkpoint dir, None = the head shipped for the model, "random" = seeded random
+    # head; draft_model: a draft model name/path (None = the target itself)
+    head: str | None = None
     draft_num_layers: int | None = None  # draft_model: keep only the first N layers (self-drafting)
     tree_choices: tuple[tuple[int, ...], ...] | None = None  # static (Medusa-style) tree
     attention: str = "auto"
@@ -127,6 +131,9 @@ class SpecConfig:
             "prompt_lookup_max": "ngram_max",
             "model": "head",
             "draft_tree_size": "num_draft_tokens",
+            # reports written before the rename held min(typical_epsilon, typical_delta * exp(-H))
+            "typical_epsilon": "posterior_threshold",
+            "typical_delta": "posterior_alpha",
         }
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}

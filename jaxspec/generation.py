@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from jaxspec.config import INT32_MAX, SamplingParams, SpecConfig
 from jaxspec.distributed import to_host
 from jaxspec.errors import InputError
 from jaxspec.model import Model
+from jaxspec.output_buffer import streaming_to
 from jaxspec.prefill import Requests
 from jaxspec.sharding import place_batch
 from jaxspec.spec.sampling import SamplingArrays
@@ -103,6 +105,7 @@ def generate(
     seed: int | Sequence[int] = 0,
     spec: SpecConfig | dict | None = None,
     request_ids: Sequence[int] | None = None,
+    stream: Callable[[list[int]], None] | None = None,
 ) -> list[Completion]:
     """Generate continuations for a batch of prompts in one compiled program.
 
@@ -116,6 +119,9 @@ def generate(
       spec: SpecConfig (or vLLM-style dict) for speculative decoding; None = autoregressive.
       request_ids: integer ids for the key derivation; default 0 for every prompt, so a request's
         stream depends only on its seed.
+      stream: called from inside the compiled loop, after every step / round, with the first prompt's
+        new tokens so far (a host callback; calls may repeat a prefix or, rarely, arrive out of order:
+        keep the longest). The outputs are the same as without it.
     Returns:
       one Completion per prompt, in order.
     """
@@ -158,20 +164,24 @@ def generate(
     )
     if model.mesh is not None:  # rows over the "data" axis (every process passes the same inputs)
         requests = place_batch(requests, model.mesh)
-    start = time.perf_counter()
-    if spec is None or spec.method is None:
-        out, rounds = generate_autoregressive(
-            model.graphdef, model.params, requests, config=model.config,
-            max_len=prompt_len + new_bucket + 1, capacity=new_bucket + 1,
-            eos_ids=model.eos_token_ids, attention=spec.attention if spec else "auto", mesh=model.mesh,
-        )  # fmt: skip
-        extra: dict[str, np.ndarray] = {}
-    else:
-        from jaxspec.spec.engine import generate_speculative
+    with streaming_to(stream) if stream is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        if spec is None or spec.method is None:
+            out, rounds = generate_autoregressive(
+                model.graphdef, model.params, requests, config=model.config,
+                max_len=prompt_len + new_bucket + 1, capacity=new_bucket + 1,
+                eos_ids=model.eos_token_ids, attention=spec.attention if spec else "auto", mesh=model.mesh,
+                stream=stream is not None,
+            )  # fmt: skip
+            extra: dict[str, np.ndarray] = {}
+        else:
+            from jaxspec.spec.engine import generate_speculative
 
-        out, rounds, extra = generate_speculative(model, requests, spec, prompt_len, new_bucket)
-    # to_host: also for outputs spread over several processes (gathered to every process).
-    out_tokens, counts, stopped, rounds = to_host((out.tokens, out.count, out.stopped, rounds))
+            out, rounds, extra = generate_speculative(
+                model, requests, spec, prompt_len, new_bucket, stream=stream is not None
+            )
+        # to_host: also for outputs spread over several processes (gathered to every process).
+        out_tokens, counts, stopped, rounds = to_host((out.tokens, out.count, out.stopped, rounds))
     elapsed = time.perf_counter() - start
     extra = to_host(extra)
     completions = []

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+from typing import TYPE_CHECKING
 
 from jaxspec.errors import ModelLoadError
-from jaxspec.model import Model
+
+if TYPE_CHECKING:  # jax is imported on first use: `import jaxspec` (and `jaxspec --help`) stays fast
+    import jax
+    import jax.numpy as jnp
+
+    from jaxspec.model import Model
 
 
 def default_dtype() -> jnp.dtype:
     """float32 on CPU (bfloat16 matmuls are several times slower there), bfloat16 on TPU/GPU."""
+    import jax
+    import jax.numpy as jnp
+
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
@@ -27,11 +34,14 @@ def load(
         its devices by the rules of `jaxspec.sharding` (a device gets only its slice), and `generate`
         shards the batch and KV cache over it. None = one device.
     """
-    # Loader modules import gguf / safetensors / tokenizers: only pay for them when loading.
+    # Loader modules import gguf / safetensors / tokenizers (and jax): only pay for them when loading.
+    import jax.numpy as jnp
+
     from jaxspec.loading.gguf_reader import read_gguf
     from jaxspec.loading.hf_dir import read_hf_dir
     from jaxspec.loading.registry import resolve_model_path
     from jaxspec.loading.tokenizer import Tokenizer
+    from jaxspec.model import Model
     from jaxspec.models.weights import state_from_hf_tensors
 
     path = resolve_model_path(str(name_or_path))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -51,3 +54,30 @@ def append_tokens(
     stopped = out.stopped | hit_eos
     done = out.done | stopped | (count >= max_new)
     return OutputBuffer(tokens=tokens, count=count, done=done, stopped=stopped), kept
+
+
+# Streaming: a loop compiled with stream=True calls `stream_first_row` after every step / round; the
+# host callback hands row 0's tokens so far to the listeners `streaming_to` installs for one call.
+_LISTENERS: list[Callable[[list[int]], None]] = []
+
+
+@contextlib.contextmanager
+def streaming_to(listener: Callable[[list[int]], None]) -> Iterator[None]:
+    """Within the block, every `stream_first_row` call passes row 0's new tokens so far to `listener`."""
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)
+
+
+def _emit(tokens: np.ndarray, count: np.ndarray) -> None:
+    ids = [int(t) for t in np.asarray(tokens)[: int(count)]]
+    for listener in list(_LISTENERS):
+        listener(ids)
+
+
+def stream_first_row(out: OutputBuffer) -> None:
+    """Host callback from inside the compiled loop: row 0's tokens [T] and count (no effect on outputs;
+    callbacks may arrive out of order, so listeners keep the longest prefix they have seen)."""
+    jax.debug.callback(_emit, out.tokens[0], out.count[0])

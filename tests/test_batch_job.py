@@ -14,7 +14,7 @@ import pytest
 
 from jaxspec.batch.requests import RequestDefaults, TokenizedRequest, parse_request, read_requests
 from jaxspec.batch.results import open_results
-from jaxspec.batch.schedule import plan_batches
+from jaxspec.batch.schedule import plan_batches, plan_pending
 from jaxspec.batch_job import main
 from jaxspec.config import SpecConfig
 from jaxspec.errors import InputError, JaxspecError
@@ -373,7 +373,7 @@ def test_resume_after_sigkill_at_several_points(tmp_path, tiny_dir):
     run_driver(tmp_path, args, "torn", at=1)  # killed while writing: one line and a half on disk
     assert complete_ids(out) == ["r0", "r1", "r2"] and not out.read_bytes().endswith(b"\n")
     run_driver(tmp_path, args, "inflight", at=2)  # killed with its second batch computed, unwritten
-    assert complete_ids(out) == ["r0", "r1", "r2", "r3", "r4"]
+    assert complete_ids(out) == ["r0", "r1", "r2", "r3"]  # r3 (its planned batch's rest), not r4, r5
     run_driver(tmp_path, args, "none")  # finishes the job
 
     final = read_jsonl(out)
@@ -382,7 +382,51 @@ def test_resume_after_sigkill_at_several_points(tmp_path, tiny_dir):
     by_id = {r["id"]: (r["token_ids"], r["finish_reason"]) for r in final}
     assert by_id == {r["id"]: (r["token_ids"], r["finish_reason"]) for r in read_jsonl(reference)}
     assert {r["stats"]["speculation"] for r in read_jsonl(reference)} == {"off"}
-    assert final[-1]["id"] == "r7" and final[-1]["stats"]["speculation"] == "ngram k=2 topk=1"
+    # Each request ran with its planned batch's shape (2 rows: off), however the kills split the job.
+    assert [r["stats"]["speculation"] for r in final] == ["off"] * len(requests)
     assert all(len(by_id[r["id"]][0]) == r["max_new_tokens"] for r in requests)
     run_driver(tmp_path, args, "none")  # a rerun of a finished job writes nothing
     assert read_jsonl(out) == final
+
+
+def test_plan_pending_keeps_each_requests_planned_batch_size():
+    def item(i: int) -> TokenizedRequest:
+        request = parse_request(json.dumps({"id": f"r{i}", "prompt_ids": [1]}), i + 1, RequestDefaults())
+        return TokenizedRequest(request, (1,))
+
+    items = [item(i) for i in range(5)]
+    done = {items[0].request.key, items[1].request.key, items[2].request.key}
+    plan = plan_pending(items, 2, done)
+    assert [([i.request.id for i in batch], rows) for batch, rows in plan] == [(["r3"], 2), (["r4"], 1)]
+    assert plan_pending(items, 2, {i.request.key for i in items}) == []
+
+
+@pytest.mark.slow
+def test_resume_with_policy_auto_and_sampling_gives_the_uninterrupted_tokens(tmp_path, tiny_dir):
+    """--policy auto picks the draft shape from the batch's row count (here k=3 alone, k=1 at 2 rows).
+    A kill mid-write leaves r0..r2; the resumed r3 and r4 must keep their planned batches ([r2, r3]: 2
+    rows, [r4]: 1 row), not be re-planned as one 2-row batch: sampled tokens depend on the shape."""
+    requests = [
+        {
+            "id": f"r{i}",
+            "prompt_ids": [5, 6, 5, 6, 5, 6 + i],
+            "max_new_tokens": 12,
+            "temperature": 1.0,
+            "seed": i,
+        }
+        for i in range(5)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", requests)
+    rules = [{"max_batch": 1, "num_speculative_tokens": 3}, {"max_batch": 2, "num_speculative_tokens": 1}]
+    policy = json.dumps({"rules": rules})
+    common = ["--input", str(src), "--model", str(tiny_dir), "--batch-size", "2", "--policy-json", policy]
+    common += ["--no-progress"]
+    reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
+    run_driver(tmp_path, [*common, "--output", str(reference)], "none")
+    args = [*common, "--output", str(out)]
+    run_driver(tmp_path, args, "torn", at=2)  # [r0, r1] written, then r2 and half of r3
+    assert complete_ids(out) == ["r0", "r1", "r2"]
+    run_driver(tmp_path, args, "none")
+    expected = {r["id"]: (r["token_ids"], r["stats"]["speculation"]) for r in read_jsonl(reference)}
+    assert {r["id"]: (r["token_ids"], r["stats"]["speculation"]) for r in read_jsonl(out)} == expected
+    assert expected["r4"][1] == "ngram k=3 topk=1" and expected["r3"][1] == "ngram k=1 topk=1"

@@ -116,3 +116,18 @@ def test_decode_loop_updates_the_kv_cache_in_place(tiny, monkeypatch):
 
     monkeypatch.setattr(forward, "cached_attention", read_then_write)
     assert _decode_program_cache_copies(tiny, max_len=56) >= 2 * tiny.config.num_layers
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_streaming_hands_over_tokens_while_the_loop_runs(tiny, spec):
+    """generate(stream=fn): fn sees growing prefixes of the first prompt's tokens from inside the
+    compiled loop (one call per step / round), ending with the final tokens; outputs unchanged."""
+    prompt = [3, 14, 15, 92, 65, 35, 3, 14, 15, 92]
+    seen: list[list[int]] = []
+    (streamed,) = jaxspec.generate(tiny, [prompt], max_new_tokens=20, spec=spec, stream=seen.append)
+    (plain,) = jaxspec.generate(tiny, [prompt], max_new_tokens=20, spec=spec)
+    assert streamed.token_ids == plain.token_ids
+    longest = max(seen, key=len)
+    assert longest == streamed.token_ids
+    assert all(s == longest[: len(s)] for s in seen)
+    assert len({len(s) for s in seen}) >= min(5, streamed.stats["rounds"])  # many snapshots, not one

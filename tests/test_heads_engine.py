@@ -48,18 +48,42 @@ MEDUSA_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))
 VOCAB3 = (("draft_vocab_size", 96),)
 
 SHAPES = {
-    "medusa-chain": {"method": "medusa", "num_speculative_tokens": DEPTH},
+    "medusa-chain": {"method": "medusa", "head": "random", "num_speculative_tokens": DEPTH},
     "medusa-tree": {
         "method": "medusa",
+        "head": "random",
         "tree_choices": MEDUSA_TREE,
         "extra": (("medusa_own_lm_head", True),),
     },
-    "eagle-chain": {"method": "eagle", "num_speculative_tokens": DEPTH},
-    "eagle-tree": {"method": "eagle", "num_speculative_tokens": DEPTH, "topk": 3, "num_draft_tokens": 7},
-    "eagle3-chain": {"method": "eagle3", "num_speculative_tokens": DEPTH, "extra": VOCAB3},
-    "eagle3-tree": {"method": "eagle3", "num_speculative_tokens": DEPTH, "topk": 2, "extra": VOCAB3},
-    "mtp-chain": {"method": "mtp", "num_speculative_tokens": DEPTH, "extra": (("mtp_num_modules", 2),)},
-    "mtp-tree": {"method": "mtp", "num_speculative_tokens": DEPTH, "topk": 2, "num_draft_tokens": 5},
+    "eagle-chain": {"method": "eagle", "head": "random", "num_speculative_tokens": DEPTH},
+    "eagle-tree": {
+        "method": "eagle",
+        "head": "random",
+        "num_speculative_tokens": DEPTH,
+        "topk": 3,
+        "num_draft_tokens": 7,
+    },
+    "eagle3-chain": {"method": "eagle3", "head": "random", "num_speculative_tokens": DEPTH, "extra": VOCAB3},
+    "eagle3-tree": {
+        "method": "eagle3",
+        "head": "random",
+        "num_speculative_tokens": DEPTH,
+        "topk": 2,
+        "extra": VOCAB3,
+    },
+    "mtp-chain": {
+        "method": "mtp",
+        "head": "random",
+        "num_speculative_tokens": DEPTH,
+        "extra": (("mtp_num_modules", 2),),
+    },
+    "mtp-tree": {
+        "method": "mtp",
+        "head": "random",
+        "num_speculative_tokens": DEPTH,
+        "topk": 2,
+        "num_draft_tokens": 5,
+    },
 }
 
 RECORDS: list[tuple[np.ndarray, np.ndarray]] = []
@@ -311,3 +335,13 @@ def test_medusa_typical_acceptance_is_greedy_at_temperature_zero(tiny):
     out = jaxspec.generate(tiny, PROMPTS, max_new_tokens=MAX_NEW, spec=spec)
     reference = jaxspec.generate(tiny, PROMPTS, max_new_tokens=MAX_NEW)
     assert [c.token_ids for c in out] == [c.token_ids for c in reference]
+
+
+def test_a_head_method_without_a_head_names_the_missing_head_argument(tiny):
+    """The API follows the CLI's rule: no head given and none shipped for this model -> an error naming
+    `head=` (never a silent random head); head="random" asks for one on purpose."""
+    for method in ("medusa", "eagle", "eagle3", "mtp"):
+        with pytest.raises(jaxspec.InputError, match=r"needs a trained draft head.*pass head=DIR"):
+            jaxspec.generate(tiny, PROMPTS[:1], max_new_tokens=4, spec={"method": method})
+    (out,) = jaxspec.generate(tiny, PROMPTS[:1], max_new_tokens=4, spec=dict(SHAPES["eagle-chain"]))
+    assert len(out.token_ids) == 4

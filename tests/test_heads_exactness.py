@@ -34,10 +34,14 @@ CHUNK = 20_000
 MAX_LEN = 16
 PARAMS = SamplingParams(temperature=1.0, top_p=0.9)
 SPECS = {
-    "medusa": SpecConfig(method="medusa", num_speculative_tokens=2, extra=(("medusa_own_lm_head", True),)),
-    "eagle": SpecConfig(method="eagle", num_speculative_tokens=2),
-    "eagle3": SpecConfig(method="eagle3", num_speculative_tokens=2, extra=(("draft_vocab_size", 12),)),
-    "mtp": SpecConfig(method="mtp", num_speculative_tokens=2, extra=(("mtp_num_modules", 2),)),
+    "medusa": SpecConfig(
+        method="medusa", head="random", num_speculative_tokens=2, extra=(("medusa_own_lm_head", True),)
+    ),
+    "eagle": SpecConfig(method="eagle", head="random", num_speculative_tokens=2),
+    "eagle3": SpecConfig(
+        method="eagle3", head="random", num_speculative_tokens=2, extra=(("draft_vocab_size", 12),)
+    ),
+    "mtp": SpecConfig(method="mtp", head="random", num_speculative_tokens=2, extra=(("mtp_num_modules", 2),)),
 }
 
 

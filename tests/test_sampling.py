@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import config as jaxspec_config
 from jaxspec.config import SamplingParams
 from jaxspec.spec import sampling
 from jaxspec.spec.sampling import SamplingArrays, process_logits, verify_tree
@@ -124,6 +125,53 @@ def test_mixed_per_row_params_match_rows_alone_and_broadcast_over_nodes():
         for node in range(3):
             ref = reference_probs(np.asarray(logits[row, node]), p)
             np.testing.assert_allclose(batched[row, node], ref, rtol=1e-5, atol=1e-7)
+
+
+def _boundary_rows(num_rows: int, vocab: int) -> tuple[np.ndarray, list[SamplingParams]]:
+    """Peaked rows whose top_p equals a float32 partial sum of their largest probabilities: the nucleus
+    mass lands within float rounding of top_p, where sums in different orders disagree."""
+    logits = np.asarray(jax.random.normal(jax.random.key(21), (num_rows, vocab)) * 3.0, np.float32)
+    params = []
+    for row in range(num_rows):
+        desc = np.sort(np.asarray(jax.nn.softmax(jnp.asarray(logits[row]))))[::-1]
+        top_p = float(np.cumsum(desc, dtype=np.float32)[2 + row % 20])
+        params.append(SamplingParams(1.0, top_p=min(top_p, 0.999)))
+    return logits, params
+
+
+@pytest.mark.parametrize("force", ["radix_top_p", "radix_top_k"])
+def test_a_row_is_bit_identical_whichever_path_its_batch_takes(force):
+    # Next to a benign last row, every row below is decided within its 64 largest values (the
+    # lax.top_k path). Next to a row that forces the radix search (a flat row whose nucleus spans > 64
+    # tokens, or top_k > 64) the batch takes the other path; each row must come out bit-identical.
+    # Same batch shape on both sides: XLA:CPU's float reductions may differ in the last bit between
+    # batch shapes, which is not a property of the path.
+    vocab = 300
+    logits, params = _boundary_rows(48, vocab)
+    logits = np.concatenate([logits, logits[:8]])
+    params += [SamplingParams(0.8, top_k=k) for k in (1, 2, 5, 17, 40, 63, 64, 3)]
+    flat_row = np.asarray(jax.random.normal(jax.random.key(22), (1, vocab)) * 0.05, np.float32)
+    forcing = SamplingParams(1.0, top_p=0.95) if force == "radix_top_p" else SamplingParams(1.0, top_k=200)
+    batch = len(params) + 1
+
+    def run(last: SamplingParams) -> np.ndarray:
+        rows = jnp.asarray(np.concatenate([logits, flat_row]))
+        return np.asarray(process_logits(rows, arrays(params + [last], batch)))
+
+    benign, forced = run(SamplingParams(1.0, top_p=0.01)), run(forcing)
+    assert np.count_nonzero(benign[-1]) <= 64 < np.count_nonzero(forced[-1])
+    assert all(1 <= np.count_nonzero(row) <= 64 for row in benign[:-1])
+    np.testing.assert_array_equal(forced[:-1], benign[:-1])
+
+
+def test_sample_from_probs_one_hot_rows_draw_the_same_token_next_to_soft_rows():
+    one_hot = jax.nn.one_hot(jnp.array([3, 7]), 10)
+    soft = jnp.full((1, 10), 0.1)
+    keys = sampling.derive_key(jnp.array([0, 1, 2]), jnp.array([0, 0, 0]), 0, sampling.PURPOSE_BONUS)
+    alone = sampling.sample_from_probs(one_hot, keys[:2])
+    mixed = sampling.sample_from_probs(jnp.concatenate([one_hot, soft]), keys)
+    np.testing.assert_array_equal(alone, [3, 7])
+    np.testing.assert_array_equal(mixed[:2], [3, 7])
 
 
 def test_process_logits_parameters_are_traced():
@@ -344,11 +392,11 @@ def test_exact_rejection_with_soft_q_draws_from_residual():
 
 
 def test_typical_acceptance_rule():
-    # root distribution: entropy H, threshold min(0.3, 0.09 exp(-H)). Children 1 (token 0, p=0.45) and
+    # root distribution: entropy H, threshold min(0.09, 0.3 exp(-H)). Children 1 (token 0, p=0.45) and
     # 2 (token 1, p=0.4) pass; 3 (token 2, p=0.01) fails. Both depth-2 grandchildren pass; the tie in
     # depth is broken by the path likelihood: 0.45 * 0.5 (node 4) < 0.4 * 0.9 (node 5).
     p_root = np.array([0.45, 0.4, 0.01] + [0.14 / 7] * 7)
-    threshold = min(0.3, 0.09 * np.exp(np.sum(p_root * np.log(p_root))))
+    threshold = min(0.09, 0.3 * np.exp(np.sum(p_root * np.log(p_root))))
     assert 0.01 < threshold < 0.4
     targets = np.zeros((1, 6, VOCAB))
     targets[0, 0] = p_root
@@ -361,18 +409,54 @@ def test_typical_acceptance_rule():
     result = verify_tree(tree, jnp.asarray(targets), keys_for(1), mode="typical_lossy", max_depth=2)
     np.testing.assert_array_equal(result.path, [[0, 2, 5]])
     np.testing.assert_array_equal(result.emitted_tokens, [[1, 5, 9]])
-    # epsilon 0.5 with a huge delta: threshold 0.5, nothing passes, next token ~ p_root
+    # posterior_threshold 0.5 with a huge alpha: threshold 0.5, nothing passes, next token ~ p_root
     strict = verify_tree(
         tree,
         jnp.asarray(targets),
         keys_for(1),
         mode="typical_lossy",
         max_depth=2,
-        typical_epsilon=0.5,
-        typical_delta=100.0,
+        posterior_threshold=0.5,
+        posterior_alpha=100.0,
     )
     np.testing.assert_array_equal(strict.path, [[0, -1, -1]])
     assert int(strict.next_token[0]) in np.flatnonzero(p_root)
+
+
+@pytest.mark.parametrize(
+    "row, token, passes",
+    [
+        # Low entropy, p = (0.83, 0.1, 0.07): H = 0.83*0.18633 + 0.1*2.30259 + 0.07*2.65926 = 0.57106,
+        # 0.3 * exp(-H) = 0.16947, threshold = min(0.09, 0.16947) = 0.09: the cap binds.
+        ("low", 1, True),  # p = 0.1 > 0.09
+        ("low", 2, False),  # p = 0.07 <= 0.09 (the swapped rule, min(0.3, 0.09 exp(-H)) = 0.0508, passed it)
+        # High entropy, p = (0.012, 19 x 0.052): H = 0.012*4.42285 + 19*0.052*2.95651 = 2.97411,
+        # threshold = min(0.09, 0.3 * exp(-H) = 0.015328) = 0.015328: the entropy term binds.
+        ("high", 1, True),  # p = 0.052 > 0.0153 (a fixed 0.09 cap would reject it)
+        ("high", 0, False),  # p = 0.012 <= 0.0153 (the swapped rule's 0.0046 passed it)
+    ],
+)
+def test_typical_acceptance_defaults_follow_medusa_by_hand(row, token, passes):
+    vocab = 24
+    p = np.zeros(vocab)
+    if row == "low":
+        p[:3] = [0.83, 0.1, 0.07]
+        hand_threshold = 0.09
+    else:
+        p[:20] = [0.012] + [0.052] * 19
+        hand_threshold = 0.015328
+    entropy = -np.sum(p[p > 0] * np.log(p[p > 0]))
+    assert abs(min(0.09, 0.3 * np.exp(-entropy)) - hand_threshold) < 2e-6
+    targets = np.zeros((1, 2, vocab), np.float32)
+    targets[0, 0] = p
+    targets[0, 1, 23] = 1.0
+    tree = hand_tree([5, token], [-1, 0])
+    result = verify_tree(tree, jnp.asarray(targets), keys_for(1), mode="typical_lossy", max_depth=1)
+    assert int(result.num_accepted[0]) == int(passes)
+    if passes:
+        assert int(result.next_token[0]) == 23
+    spec = jaxspec_config.SpecConfig(method="medusa", acceptance="typical_lossy")
+    assert (spec.posterior_threshold, spec.posterior_alpha) == (0.09, 0.3)
 
 
 def test_unknown_mode_raises():

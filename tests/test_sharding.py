@@ -48,7 +48,7 @@ MAX_NEW = 8
 METHODS = {
     "ngram": SpecConfig(method="ngram", num_speculative_tokens=3),
     # A random (seeded, untrained) EAGLE head: its own KV cache lives in the drafter state.
-    "eagle": SpecConfig(method="eagle", num_speculative_tokens=3),
+    "eagle": SpecConfig(method="eagle", head="random", num_speculative_tokens=3),
     "draft_model": SpecConfig(method="draft_model", draft_num_layers=1, num_speculative_tokens=3),
 }
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxspec
+import jaxspec.spec.engine as engine
+from jaxspec.bench.step_costs import single_request
+from jaxspec.cache import KVCache, _read_rows, _write_rows
+from jaxspec.spec.drafters import make_drafter
 from jaxspec.spec.engine import speculative_loop
 from tests.tiny_models import save_tiny
 
@@ -164,3 +172,76 @@ def test_spec_config_round_trips_through_json_as_a_hashable_config():
     assert jaxspec.SpecConfig.from_dict({"method": "mtp", "extra": {"mtp_num_modules": 2}}).extra == (
         ("mtp_num_modules", 2),
     )
+
+
+MIXED_SAMPLING = [
+    jaxspec.SamplingParams(temperature=0.0),
+    jaxspec.SamplingParams(temperature=0.9),
+    jaxspec.SamplingParams(temperature=1.0, top_k=20),
+    jaxspec.SamplingParams(temperature=1.0, top_p=0.5),
+    jaxspec.SamplingParams(temperature=1.2, top_p=0.95),  # a nucleus beyond the 64 largest: radix path
+]
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "ngram_chain", "ngram_tree"])
+def test_mixed_sampling_request_alone_equals_inside_any_batch(tiny, name):
+    """Every request keeps its tokens alone and next to requests with any other sampling parameters
+    (greedy, temperature only, top-k, top-p 0.5 and 0.95: one batch holds every pair of neighbours, a
+    second one the reverse order)."""
+    spec = None if name == "autoregressive" else SPECS[name]
+    prompts = PROMPTS + [REPETITIVE + [7, 7, 7]]
+    n = len(prompts)
+    kwargs = {"max_new_tokens": 20, "spec": spec}
+    alone = [
+        jaxspec.generate(tiny, [prompts[i]], sampling=MIXED_SAMPLING[i], seed=i, request_ids=[i], **kwargs)[0]
+        for i in range(n)
+    ]
+    for order in (list(range(n)), list(reversed(range(n)))):
+        batch = jaxspec.generate(
+            tiny,
+            [prompts[i] for i in order],
+            sampling=[MIXED_SAMPLING[i] for i in order],
+            seed=order,
+            request_ids=order,
+            **kwargs,
+        )
+        for completion, i in zip(batch, order, strict=True):
+            assert completion.token_ids == alone[i].token_ids, (name, i, order)
+
+
+def _speculative_program_cache_copies(model, spec, extra_len: int) -> int:
+    """Copies of whole KV-cache layer buffers in the compiled speculative loop (batch 4)."""
+    drafter, draft_params = make_drafter(model, spec)
+    requests = single_request([5, 17, 99, 3], 16, jaxspec.SamplingParams())
+    requests = jax.tree.map(lambda a: jnp.concatenate([a] * 4) if jnp.ndim(a) else a, requests)
+    c = model.config
+    capacity = 17 + drafter.max_depth + 1
+    max_len = 16 + capacity + drafter.num_nodes + extra_len
+    hlo = speculative_loop.lower(
+        model.graphdef, model.params, draft_params, requests, config=c, drafter=drafter, spec=spec,
+        max_len=max_len, capacity=capacity, eos_ids=(),
+    ).compile().as_text()  # fmt: skip
+    return len(re.findall(rf"f32\[4,{c.num_kv_heads},{max_len},{c.head_dim}\]\{{[0-9,]+\}} copy\(", hlo))
+
+
+def test_speculative_commit_path_updates_the_kv_cache_in_place(tiny, monkeypatch):
+    """The speculative loop's verify write and `commit_path` (read the window, keep the accepted path,
+    write it back) leave every layer's cache in place: no copy of a whole cache buffer. A commit that
+    reads the old buffer after writing it makes XLA copy each buffer, and the check sees it."""
+    spec = jaxspec.SpecConfig(method="ngram", num_speculative_tokens=3)
+    assert _speculative_program_cache_copies(tiny, spec, extra_len=4) == 0
+
+    def read_after_write_commit(cache, path, num_committed, window):
+        safe_path, starts = jnp.clip(path, 0, window - 1), cache.lengths
+
+        def move(buffer):
+            kept = jnp.take_along_axis(
+                _read_rows(buffer, starts, window), safe_path[:, None, :, None], axis=2
+            )
+            return _write_rows(buffer, kept, starts) + 0.0 * buffer  # the old buffer read after the write
+
+        keys, values = tuple(map(move, cache.keys)), tuple(map(move, cache.values))
+        return KVCache(keys=keys, values=values, lengths=cache.lengths + num_committed)
+
+    monkeypatch.setattr(engine, "commit_path", read_after_write_commit)
+    assert _speculative_program_cache_copies(tiny, spec, extra_len=12) >= 2 * tiny.config.num_layers

@@ -15,6 +15,7 @@ from typing import Any
 from jaxspec.buckets import batch_bucket, length_bucket
 from jaxspec.config import SamplingParams, SpecConfig
 from jaxspec.errors import InputError, JaxspecError
+from jaxspec.models.heads.shipped import RANDOM_HEAD
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
 CHAIN_ONLY = ("draft_model",)
@@ -146,7 +147,7 @@ def build_variants(
         elif name == "ngram":
             extra, suffix = {}, ""
         else:
-            extra = {"head": heads.get(name)}
+            extra = {"head": heads.get(name) or RANDOM_HEAD}
             suffix = "" if heads.get(name) else " (random head)"
         for gamma in lengths:
             spec = SpecConfig(method=name, num_speculative_tokens=gamma, acceptance=acceptance, **extra)

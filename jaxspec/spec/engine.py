@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jaxspec.cache import KVCache, commit_path
 from jaxspec.config import ModelConfig, SpecConfig
 from jaxspec.forward import lm_logits, model_forward
-from jaxspec.output_buffer import OutputBuffer, append_tokens
+from jaxspec.output_buffer import OutputBuffer, append_tokens, stream_first_row
 from jaxspec.prefill import Requests, prefill
 from jaxspec.sharding import constrain_cache, constrain_caches, shard_params
 from jaxspec.spec import sampling
@@ -56,7 +56,17 @@ def write_history(history: jax.Array, history_len: jax.Array, tokens: jax.Array)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "config", "drafter", "spec", "max_len", "capacity", "eos_ids", "mesh"),
+    static_argnames=(
+        "graphdef",
+        "config",
+        "drafter",
+        "spec",
+        "max_len",
+        "capacity",
+        "eos_ids",
+        "mesh",
+        "stream",
+    ),
 )
 def speculative_loop(
     graphdef: nnx.GraphDef,
@@ -71,11 +81,13 @@ def speculative_loop(
     capacity: int,
     eos_ids: tuple[int, ...],
     mesh: Mesh | None = None,
+    stream: bool = False,
 ) -> tuple[OutputBuffer, jax.Array, jax.Array]:
     """Prefill + speculative rounds. Returns (output buffer, rounds [B], accepted_by_depth [B, D]).
 
     mesh: keep the target's KV cache (and any KVCache in the drafter state) sharded over it every
-    round; None = one device.
+    round; None = one device. stream: hand row 0's tokens to the host after every round
+    (`output_buffer.streaming_to`).
     """
     batch, prompt_len = requests.prompt_tokens.shape
     depth = drafter.max_depth
@@ -89,6 +101,8 @@ def speculative_loop(
         OutputBuffer.empty(batch, capacity), pre.first_token[:, None], jnp.ones((batch,), jnp.int32),
         requests.max_new_tokens, eos,
     )  # fmt: skip
+    if stream:
+        stream_first_row(out)
     history = jnp.zeros((batch, prompt_len + capacity), jnp.int32)
     history = history.at[:, :prompt_len].set(requests.prompt_tokens)
     history = write_history(history, requests.prompt_lengths, pre.first_token[:, None])
@@ -125,7 +139,7 @@ def speculative_loop(
         accept_keys = sampling.round_key(requests.seeds, requests.request_ids, s.round_idx)
         result = sampling.verify_tree(
             tree, target_probs, accept_keys, mode=spec.acceptance, max_depth=depth,
-            typical_epsilon=spec.typical_epsilon, typical_delta=spec.typical_delta,
+            posterior_threshold=spec.posterior_threshold, posterior_alpha=spec.posterior_alpha,
         )  # fmt: skip
         num_accepted = jnp.where(active, result.num_accepted, 0)
         cache = commit_path(cache, result.path, jnp.where(active, num_accepted + 1, 0), window=n_nodes)
@@ -133,6 +147,8 @@ def speculative_loop(
         emitted = jnp.concatenate([result.accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
         emitted = jax.vmap(lambda row, at, tok: row.at[at].set(tok))(emitted, num_accepted, result.next_token)
         out, _ = append_tokens(s.out, emitted, num_accepted + 1, requests.max_new_tokens, eos)
+        if stream:
+            stream_first_row(out)
         history = write_history(s.history, s.history_len, emitted)
         history_len = s.history_len + jnp.where(active, num_accepted + 1, 0)
         features = {
@@ -159,7 +175,9 @@ def speculative_loop(
     return state.out, state.rounds, state.accepted_by_depth
 
 
-def generate_speculative(model, requests: Requests, spec: SpecConfig, prompt_len: int, new_bucket: int):
+def generate_speculative(
+    model, requests: Requests, spec: SpecConfig, prompt_len: int, new_bucket: int, stream: bool = False
+):
     """Run the speculative loop for a bucketed batch; returns (out, rounds, extra per-row stats)."""
     drafter, draft_params = make_drafter(model, spec)
     if model.mesh is not None:  # draft / head weights follow the same rules table as the target's
@@ -172,6 +190,6 @@ def generate_speculative(model, requests: Requests, spec: SpecConfig, prompt_len
     out, rounds, by_depth = speculative_loop(
         model.graphdef, model.params, draft_params, requests,
         config=model.config, drafter=drafter, spec=spec, max_len=max_len, capacity=capacity,
-        eos_ids=model.eos_token_ids, mesh=model.mesh,
+        eos_ids=model.eos_token_ids, mesh=model.mesh, stream=stream,
     )  # fmt: skip
     return out, rounds, {"accepted_by_depth": by_depth}

@@ -1,4 +1,4 @@
-"""MTP drafting with the DeepSeek-V3 chained semantics (`jaxspec.models.heads.mtp`).
+"""MiMo-style MTP drafting, the chained semantics of the DeepSeek-V3 paper (`jaxspec.models.heads.mtp`).
 
 Draft step k (k = 0..D-1, D = depth) runs virtual module k (weights k mod num_modules, its own KV
 cache) at position i = c - 1, where c is the number of committed target tokens and t_c the root:

@@ -92,12 +92,15 @@ def process_logits(logits: jax.Array, sampling: SamplingArrays) -> jax.Array:
     Renormalise. Rows with temperature 0 give a one-hot at the argmax of the raw logits (first index on
     ties). Parameters are traced: no recompilation for new values.
 
-    Cost: no full sort (on CPU a sort of a 49152-wide vocabulary costs ~20 ms per row). Batch-wide
-    `lax.cond`s pick the work: no top-k / top-p in the batch -> a softmax only; every filtering row
-    decided within the 64 largest values (top_k <= 64, nucleus within the top 64) -> one `lax.top_k`
-    per filter; otherwise an exact 32-step radix search over the float bit patterns (~32 compare-and-
-    reduce passes over V). The paths agree exactly for top-k and up to float summation order at the
-    top-p boundary. Do not `vmap` this function: under vmap the conds run both branches.
+    Batch invariance by construction (DESIGN invariant 4): a row's output depends only on its own
+    logits and parameters, never on which path the batch takes. For speed, batch-wide `lax.cond`s pick
+    the work (on CPU a full sort of a 49152-wide vocabulary costs ~20 ms per row): no top-k / top-p in
+    the batch -> a softmax only; every filtering row decided within the 64 largest values -> one
+    `lax.top_k` per filter; otherwise an exact 32-step radix search over the float bit patterns. The
+    paths give bit-identical rows: top-k thresholds are the k-th largest value on both, and the nucleus
+    mass is summed in 2^-30 fixed point (integer sums, exact in any order) on both, so a nucleus that
+    lands within float rounding of top_p is decided the same way. Do not `vmap` this function: under
+    vmap the conds run both branches.
     """
     batch, vocab = logits.shape[0], logits.shape[-1]
     flat = logits.astype(jnp.float32).reshape(batch, -1, vocab)
@@ -162,14 +165,26 @@ def _top_k_keep(scaled: jax.Array, top_k: jax.Array, use: jax.Array) -> jax.Arra
     return jax.lax.cond(fits, from_candidates, from_radix_search) | ~use[:, None]
 
 
+# Nucleus masses are summed as integers in units of 2^-30 (a probability <= 1 is <= 2^30, a row's total
+# stays below 2^31): integer addition is exact in any order, so every path reaches the same decision.
+_MASS_UNIT = 2.0**30
+
+
 def _top_p_keep(probs: jax.Array, top_p: jax.Array, use: jax.Array) -> jax.Array:
-    """[R, V] bool: the nucleus, probs >= the largest threshold whose kept mass reaches top_p [R]."""
+    """[R, V] bool: the nucleus, probs >= the largest threshold whose kept mass reaches top_p [R].
+
+    Masses are fixed point (`_MASS_UNIT`): a row's nucleus reaches top_p when its mass is at least
+    ceil(top_p * the row's total mass), the same integers on the candidate path and the radix path.
+    """
     num_candidates = min(_CANDIDATES, probs.shape[-1])
+    mass = jnp.round(probs * _MASS_UNIT).astype(jnp.int32)  # [R, V]
+    need = jnp.ceil(top_p * jnp.sum(mass, axis=-1).astype(jnp.float32)).astype(jnp.int32)  # [R]
     largest = jax.lax.top_k(probs, num_candidates)[0]  # [R, C] descending
-    mass_through = jnp.cumsum(largest, axis=-1)
+    largest_mass = jnp.round(largest * _MASS_UNIT).astype(jnp.int32)
+    mass_through = jnp.cumsum(largest_mass, axis=-1)
 
     def from_candidates() -> jax.Array:
-        kept = jnp.sum(mass_through - largest < top_p[:, None], axis=-1)  # mass before a token < top_p
+        kept = jnp.sum(mass_through - largest_mass < need[:, None], axis=-1)  # mass before a token < need
         index = jnp.clip(kept - 1, 0, num_candidates - 1)[:, None]
         return probs >= jnp.take_along_axis(largest, index, axis=1)
 
@@ -177,17 +192,20 @@ def _top_p_keep(probs: jax.Array, top_p: jax.Array, use: jax.Array) -> jax.Array
         bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # non-negative floats keep their order
 
         def enough(keep: jax.Array) -> jax.Array:
-            return jnp.sum(jnp.where(keep, probs, 0.0), axis=-1) >= top_p
+            return jnp.sum(jnp.where(keep, mass, 0), axis=-1) >= need
 
         return bits >= _largest_threshold(bits, enough)[:, None]
 
-    fits = jnp.all(~use | (mass_through[:, -1] >= top_p))
+    fits = jnp.all(~use | (mass_through[:, -1] >= need))
     return jax.lax.cond(fits, from_candidates, from_radix_search) | ~use[:, None]
 
 
 def _order_preserving_bits(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order (negative floats flipped, positive ones shifted up)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    """float32 -> uint32 with the same order (negative floats flipped, positive ones shifted up).
+
+    -0.0 is mapped like +0.0 first, so `bits >= t` keeps exactly what the float comparison keeps.
+    """
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0.0, 0.0, x), jnp.uint32)
     negative = (bits >> 31) == 1
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
@@ -306,7 +324,7 @@ class VerifyResult:
         return jnp.where(slots == self.num_accepted[:, None], self.next_token[:, None], padded)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "max_depth", "typical_epsilon", "typical_delta"))
+@functools.partial(jax.jit, static_argnames=("mode", "max_depth", "posterior_threshold", "posterior_alpha"))
 def verify_tree(
     tree: DraftTree,
     target_probs: jax.Array,
@@ -314,8 +332,8 @@ def verify_tree(
     *,
     mode: str,
     max_depth: int,
-    typical_epsilon: float = 0.3,
-    typical_delta: float = 0.09,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
 ) -> VerifyResult:
     """Accept a path of the draft tree and pick the next token; fixed shapes, no host loops.
 
@@ -337,8 +355,9 @@ def verify_tree(
           is drawn from r (the residual, or p_u itself for a leaf: the bonus token). The emitted tokens
           are distributed exactly as sampling the target token by token. With one-hot p
           (temperature 0) it emits exactly the greedy tokens.
-      "typical_lossy": Medusa's typical acceptance (evaluate_posterior): a child passes iff
-          p_parent(x_c) > min(typical_epsilon, typical_delta * exp(-entropy(p_parent))); the deepest
+      "typical_lossy": Medusa's typical acceptance (its generate loop's evaluate_posterior): a child
+          passes iff p_parent(x_c) > min(posterior_threshold, posterior_alpha * exp(-entropy(p_parent)))
+          (Medusa's defaults 0.09 and 0.3: a hard cap of 0.09, lower at high entropy); the deepest
           path of passing nodes wins, ties broken by the largest sum of log p along it (then the lowest
           index); next_token ~ p at its last node. NOT distribution preserving: opt-in only. The
           entropy is the exact one of the processed p (Medusa adds 1e-5 inside the log).
@@ -354,7 +373,7 @@ def verify_tree(
         last, next_token = _verify_exact(tree, target_probs, keys, candidate)
     else:
         last, next_token = _verify_typical(
-            tree, target_probs, keys, candidate, typical_epsilon, typical_delta
+            tree, target_probs, keys, candidate, posterior_threshold, posterior_alpha
         )
     return _result_from_last_node(tree, last, next_token, max_depth)
 
@@ -477,12 +496,12 @@ def _verify_typical(
     target_probs: jax.Array,
     keys: jax.Array,
     candidate: jax.Array,
-    epsilon: float,
-    delta: float,
+    posterior_threshold: float,
+    posterior_alpha: float,
 ) -> tuple[jax.Array, jax.Array]:
     plogp = jnp.where(target_probs > 0, target_probs * jnp.log(jnp.maximum(target_probs, 1e-38)), 0.0)
     entropy = -jnp.sum(plogp, axis=-1)  # [B, N]
-    threshold = jnp.minimum(epsilon, delta * jnp.exp(-entropy))
+    threshold = jnp.minimum(posterior_threshold, posterior_alpha * jnp.exp(-entropy))
     parent_threshold = jnp.take_along_axis(threshold, jnp.maximum(tree.parent, 0), axis=1)
     token_probs = _probs_of_node_tokens_at_parents(tree, target_probs)
     passes = candidate & (token_probs > parent_threshold)

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.resources import configs_dir
 from jaxspec.spec.tree import DraftTree
 
-TREE_PRESETS_PATH = Path(__file__).resolve().parents[2] / "configs" / "medusa_trees.json"
+TREE_PRESETS_PATH = configs_dir() / "medusa_trees.json"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -64,15 +64,17 @@ class Eagle3Config:
 
 @dataclass(frozen=True)
 class MtpConfig:
-    """DeepSeek-V3 style multi-token prediction modules.
+    """MiMo-style multi-token prediction modules (the chained MTP of the DeepSeek-V3 paper, with a
+    Llama / Qwen2 decoder block; DeepSeek-V3's own MLA / MoE layers are not supported).
 
     Module k at position i: proj([enorm(Emb(t_(i+k))); hnorm(h_i^(k-1))]) -> one decoder block ->
     final norm -> the target's LM head. `num_modules` distinct modules; more draft steps than modules
     reuse them cyclically (step k uses module k mod num_modules).
 
-    embedding_first: concatenation order: DeepSeek-V3 [emb; hidden] (True), MiMo [hidden; emb] (False).
+    embedding_first: concatenation order: [emb; hidden] (True: the DeepSeek-V3 paper's order, jaxspec's
+        own trained heads), MiMo checkpoints [hidden; emb] (False).
     recycle_normed: h^k passed to the next module is the final-normed output (MiMo) or the block output
-        before the final norm (DeepSeek-V3 as served by vLLM).
+        before the final norm (True / False).
     """
 
     layer: ModelConfig

@@ -23,17 +23,15 @@
     (SafeAILab/EAGLE eagle/traineagle3/cnets.py @ 09fe6a050421cc4dfb1e3f4dfbe4f65aa9b9f63c: Model,
     LlamaDecoderLayeremb, d2t/t2d; sgl-project/SpecForge specforge/modeling/draft/llama3_eagle.py
     @ 89241ea0299e4ac48a22d27d649182627d0e5e53: LlamaForCausalLMEagle3.)
-  * method "mtp": the MTP layers stored in the target model's checkpoint (*.safetensors + config.json
-    with num_hidden_layers L and num_nextn_predict_layers D):
-    DeepSeek-V3: model.layers.{L+i}.{enorm,hnorm}.weight, .eh_proj.weight [d, 2d],
-      .shared_head.norm.weight, the decoder block (.input_layernorm, .self_attn.*, .post_attention_layernorm,
-      .mlp.*; a Llama-family block here), shared .embed_tokens / .shared_head.head (the target's, ignored).
-      (vllm-project/vllm vllm/model_executor/models/deepseek_mtp.py
-      @ 03356f8cb59ba27f3d0ce8866d7516b5e32cff65)
+  * method "mtp": MiMo-style MTP layers stored in the target model's checkpoint (*.safetensors +
+    config.json with num_hidden_layers L and num_nextn_predict_layers D):
     MiMo: model.mtp_layers.{i}.{token_layernorm,hidden_layernorm,final_layernorm}.weight,
       .input_proj.weight [d, 2d] over [hidden; embedding], and a Qwen2 block (.input_layernorm,
       .self_attn.* with q/k/v biases, .post_attention_layernorm, .mlp.*).
       (vllm-project/vllm vllm/model_executor/models/mimo_mtp.py @ 0bb55d60cb667d2f4e263b55304a30b38fe2e55c)
+    DeepSeek-V3 stores its MTP layers as model.layers.{L+i}.* with MLA attention and a mixture-of-experts
+    MLP (vllm-project/vllm vllm/model_executor/models/deepseek_mtp.py): not supported yet, the loader
+    refuses them with an error saying so (the architecture is a separate issue).
 """
 
 from __future__ import annotations
@@ -288,16 +286,9 @@ def _check_vocab_maps(params, config: Eagle3Config, source: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# MTP (DeepSeek-V3 layers, MiMo mtp_layers)
+# MTP (MiMo mtp_layers; DeepSeek-V3's MLA / MoE layers are refused)
 # ---------------------------------------------------------------------------------------------------
 
-_DEEPSEEK_NAMES = {
-    "enorm": "enorm",
-    "hnorm": "hnorm",
-    "eh_proj": "eh_proj",
-    "final_norm": "shared_head.norm",
-    "block": "",
-}
 _MIMO_NAMES = {
     "enorm": "token_layernorm",
     "hnorm": "hidden_layernorm",
@@ -325,26 +316,22 @@ def load_mtp(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict
     def mimo_prefix(i: int) -> str:
         return f"model.mtp_layers.{i}."
 
-    def deepseek_prefix(i: int) -> str:
-        return f"model.layers.{int(num_layers) + i}."
-
-    candidates = tuple(f(i) for f in (mimo_prefix, deepseek_prefix) for i in range(count))
+    deepseek_prefix = f"model.layers.{int(num_layers)}."  # DeepSeek-V3: MTP layers after the target's
+    candidates = (deepseek_prefix,) + tuple(mimo_prefix(i) for i in range(count))
     files = _safetensors_files(directory)
     tensors = TensorSource(read_tensors(files, keep=lambda name: name.startswith(candidates)), str(directory))
-    if any(k.startswith(mimo_prefix(0)) for k in tensors.tensors):
-        style, names, prefix_of = "mimo", _MIMO_NAMES, mimo_prefix
-    elif any(k.startswith(deepseek_prefix(0)) for k in tensors.tensors):
-        style, names, prefix_of = "deepseek", _DEEPSEEK_NAMES, deepseek_prefix
-    else:
-        raise ModelLoadError(
-            f"{directory}: no MTP tensors (expected '{mimo_prefix(0)}*' (MiMo) or "
-            f"'{deepseek_prefix(0)}*' (DeepSeek-V3))"
-        )
+    if not any(k.startswith(mimo_prefix(0)) for k in tensors.tensors):
+        if any(k.startswith(deepseek_prefix) for k in tensors.tensors):
+            raise ModelLoadError(
+                f"{directory}: DeepSeek-V3 MTP layers ('{deepseek_prefix}*': MLA attention, "
+                "mixture-of-experts MLP) are not supported yet; jaxspec loads MiMo-style MTP layers "
+                "('model.mtp_layers.N.*')"
+            )
+        raise ModelLoadError(f"{directory}: no MTP tensors (expected '{mimo_prefix(0)}*', MiMo-style MTP)")
+    names, prefix_of = _MIMO_NAMES, mimo_prefix
     bias = _has_attention_bias(tensors, prefix_of(0))
     layer = layer_config_from_json(raw, config_path, target, attention_bias=bias)
-    config = MtpConfig(
-        layer=layer, num_modules=count, embedding_first=style == "deepseek", recycle_normed=style == "mimo"
-    )
+    config = MtpConfig(layer=layer, num_modules=count, embedding_first=False, recycle_normed=True)
     graphdef, module_abstract = abstract_module(config, dtype)
     states = [
         fill_params(module_abstract, tensors, lambda p, i=i: layout_key(p, names, prefix_of(i)), dtype)

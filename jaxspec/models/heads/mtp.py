@@ -1,4 +1,4 @@
-"""Multi-token prediction modules (DeepSeek-V3, MiMo), as a draft head.
+"""MiMo-style multi-token prediction modules (the DeepSeek-V3 paper's chained MTP), as a draft head.
 
 Module k (k = 1..D) at position i reads h_i^(k-1) (h^0 = the target's post-norm final hidden state)
 and the embedding of token t_(i+k):

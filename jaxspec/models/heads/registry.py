@@ -2,8 +2,9 @@
 SpecConfig(method="medusa" | "eagle" | "eagle3" | "mtp").
 
 spec.head: a checkpoint directory (jaxspec's own Orbax format or a published layout, see
-`jaxspec.models.heads.loaders`) or None for a seeded random head (correctness tests; quality needs a
-trained head). Shapes of the draft:
+`jaxspec.models.heads.loaders`); None for the head shipped with jaxspec for this model (an error when
+there is none: `jaxspec.models.heads.shipped.resolve_head`); "random" for a seeded random head
+(correctness tests, cost measurements; quality needs a trained head). Shapes of the draft:
   chain (topk == 1): num_speculative_tokens sampled drafts with their q recorded (exact verification);
   Medusa static tree: spec.tree_choices, or extra "tree_preset" (configs/medusa_trees.json);
   EAGLE / EAGLE-3 / MTP dynamic tree (topk > 1): depth = num_speculative_tokens, num_draft_tokens nodes
@@ -35,6 +36,7 @@ from jaxspec.models.heads.configs import (
     head_layer_config,
 )
 from jaxspec.models.heads.head import DraftHead, init_head
+from jaxspec.models.heads.shipped import RANDOM_HEAD, resolve_head
 from jaxspec.spec.tree_build import (
     StaticTree,
     candidate_pool_size,
@@ -65,7 +67,7 @@ def medusa_tree(spec: SpecConfig) -> StaticTree | None:
 
 
 def random_head_config(model, spec: SpecConfig) -> HeadConfig:
-    """The config of a random head for `model` (spec.head is None)."""
+    """The config of a random head for `model` (spec.head == "random")."""
     target = model.config
     extra = _extra(spec)
     layer = head_layer_config(target)
@@ -96,15 +98,17 @@ def random_head_config(model, spec: SpecConfig) -> HeadConfig:
 
 @functools.lru_cache(maxsize=8)
 def _head_for(model, spec: SpecConfig) -> DraftHead:
-    if spec.head is None:
+    if spec.head == RANDOM_HEAD:
         return init_head(random_head_config(model, spec), model.dtype, int(_extra(spec).get("seed", 0)))
     from jaxspec.models.heads.loaders import load_head
 
-    return load_head(spec.head, spec.method, model.config, model.dtype, _extra(spec))
+    path = spec.head if spec.head is not None else resolve_head(model.source, spec.method, None)
+    return load_head(path, spec.method, model.config, model.dtype, _extra(spec))
 
 
 def head_for(model, spec: SpecConfig) -> DraftHead:
-    """The (cached) head of `spec` for `model`: loaded from spec.head or randomly initialised."""
+    """The (cached) head of `spec` for `model`: loaded from spec.head (None: the shipped head) or
+    randomly initialised (spec.head == "random")."""
     return _head_for(model, spec)
 
 
