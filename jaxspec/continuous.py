@@ -36,7 +36,14 @@ from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig, SamplingParams
 from jaxspec.errors import InputError
 from jaxspec.forward import lm_logits, model_forward
-from jaxspec.generation import Completion, Prompt, check_requests, completion, padded_requests
+from jaxspec.generation import (
+    CheckedRequests,
+    Completion,
+    Prompt,
+    check_requests,
+    completion,
+    padded_requests,
+)
 from jaxspec.model import Model
 from jaxspec.output_buffer import OutputBuffer, append_tokens
 from jaxspec.prefill import Requests, prefill
@@ -96,6 +103,14 @@ def _set_rows(tree, rows: jax.Array, values):
     return jax.tree.map(lambda x, v: x.at[rows].set(v.astype(x.dtype), mode="drop"), tree, values)
 
 
+def prefill_widths(prompt_len: int) -> tuple[int, ...]:
+    """The prompt-length buckets up to prompt_len (16, 32, ..., prompt_len) an admit prefills at."""
+    widths = [length_bucket(1)]
+    while widths[-1] < prompt_len:
+        widths.append(widths[-1] * 2)
+    return tuple(widths)
+
+
 def _retire(state: ContinuousState) -> ContinuousState:
     """Copy finished slots' output rows into the result bank and free those slots."""
     n = state.results.tokens.shape[0]
@@ -147,15 +162,29 @@ def run_continuous(
         target = jnp.where(valid, jnp.nonzero(free, size=rows, fill_value=slots)[0], slots)
         request = jnp.minimum(state.next_request + index, n - 1)
         admitted = jax.tree.map(lambda x: x[request], bank)
-        pre = prefill(graphdef, params, config, admitted, max_len, attention=attention)
+        # Prefill at the smallest length bucket that holds the admitted prompts (as `generate` pads
+        # them), not at the bank's longest prompt: padding would cost as much as real tokens.
+        needed = jnp.max(jnp.where(valid, admitted.prompt_lengths, 1))
+        widths = prefill_widths(bank.prompt_tokens.shape[1])
+        branch = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
+
+        def prefill_at(width: int):
+            def run(admitted: Requests) -> tuple[KVCache, jax.Array]:
+                narrow = dataclasses.replace(admitted, prompt_tokens=admitted.prompt_tokens[:, :width])
+                pre = prefill(graphdef, params, config, narrow, max_len, attention=attention)
+                return pre.cache, pre.first_token
+
+            return run
+
+        pre_cache, first_token = jax.lax.switch(branch, [prefill_at(w) for w in widths], admitted)
         first, _ = append_tokens(
-            OutputBuffer.empty(rows, capacity), pre.first_token[:, None], jnp.ones((rows,), jnp.int32),
+            OutputBuffer.empty(rows, capacity), first_token[:, None], jnp.ones((rows,), jnp.int32),
             admitted.max_new_tokens, eos,
         )  # fmt: skip
         return dataclasses.replace(
             state,
-            cache=_set_rows(state.cache, target, pre.cache),  # whole rows: keys, values, lengths
-            pending=_set_rows(state.pending, target, pre.first_token),
+            cache=_set_rows(state.cache, target, pre_cache),  # whole rows: keys, values, lengths
+            pending=_set_rows(state.pending, target, first_token),
             out=_set_rows(state.out, target, first),
             slot_request=_set_rows(state.slot_request, target, request),
             params=_set_rows(state.params, target, admitted),
@@ -196,6 +225,37 @@ def run_continuous(
     return jax.lax.while_loop(running, body, state)
 
 
+def _prepared_run(model: Model, checked: CheckedRequests, slots: int, admit_rows: int | None):
+    """(initial state, run(state, max_iterations) -> state) for the checked requests."""
+    n = len(checked.token_lists)
+    prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
+    new_bucket = length_bucket(max(checked.max_new))
+    bank = padded_requests(checked, n, prompt_len)
+    admit = admit_rows if admit_rows is not None else max(1, slots // 8)
+    if admit < 1:
+        raise InputError(f"generate_continuous: admit_rows must be >= 1, got {admit}")
+    state = init_state(model.config, bank, slots, prompt_len + new_bucket + 1, new_bucket + 1, model.dtype)
+
+    def run(state: ContinuousState, max_iterations: int) -> ContinuousState:
+        return run_continuous(
+            model.graphdef, model.params, bank, state, jnp.int32(max_iterations), config=model.config,
+            admit_rows=admit, eos_ids=model.eos_token_ids,
+        )  # fmt: skip
+
+    return state, run
+
+
+def compile_continuous(
+    model: Model, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int], *, slots: int = 64,
+    admit_rows: int | None = None,
+) -> None:  # fmt: skip
+    """Compile the program `generate_continuous` runs for these requests without generating (for
+    benchmarks that exclude compilation)."""
+    checked = check_requests(model, prompts, max_new_tokens, None, 0, None)
+    state, run = _prepared_run(model, checked, slots, admit_rows)
+    jax.block_until_ready(run(state, 0))
+
+
 def generate_continuous(
     model: Model,
     prompts: Sequence[Prompt],
@@ -230,23 +290,17 @@ def generate_continuous(
         raise InputError("generate_continuous: a model loaded with a mesh is not supported; use generate")
     checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
     n = len(checked.token_lists)
-    prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
-    new_bucket = length_bucket(max(checked.max_new))
-    bank = padded_requests(checked, n, prompt_len)
-    admit = admit_rows if admit_rows is not None else max(1, slots // 8)
-    if admit < 1:
-        raise InputError(f"generate_continuous: admit_rows must be >= 1, got {admit}")
-    capacity = new_bucket + 1
-    state = init_state(model.config, bank, slots, prompt_len + new_bucket + 1, capacity, model.dtype)
-    run = functools.partial(
-        run_continuous, model.graphdef, model.params, bank, config=model.config, admit_rows=admit,
-        eos_ids=model.eos_token_ids,
-    )  # fmt: skip
-    completions: list[Completion | None] = [None] * n
+    # The bank in prompt-length-bucket order, so requests admitted together share a prefill width.
+    order = sorted(range(n), key=lambda i: (length_bucket(len(checked.token_lists[i])), i))
+    checked = CheckedRequests(
+        *([getattr(checked, f.name)[i] for i in order] for f in dataclasses.fields(CheckedRequests))
+    )
+    state, run = _prepared_run(model, checked, slots, admit_rows)
+    completions: list[Completion | None] = [None] * n  # in bank order
     start = time.perf_counter()
     emitted = 0
     while emitted < n:
-        state = run(state, jnp.int32(steps_per_call))
+        state = run(state, steps_per_call)
         done, counts, stopped = jax.device_get(
             (state.results.done, state.results.count, state.results.stopped)
         )
@@ -265,5 +319,8 @@ def generate_continuous(
             )
             batch.append((i, completions[i]))
         if on_finished is not None:
-            on_finished(batch)
-    return completions  # type: ignore[return-value]
+            on_finished([(order[i], c) for i, c in batch])
+    by_prompt: list[Completion | None] = [None] * n
+    for i, c in enumerate(completions):
+        by_prompt[order[i]] = c
+    return by_prompt  # type: ignore[return-value]
