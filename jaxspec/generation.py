@@ -97,6 +97,81 @@ def tokenize_prompts(model: Model, prompts: Sequence[Prompt]) -> list[list[int]]
     return token_lists
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedRequests:
+    """`generate`'s inputs checked and expanded to one entry per prompt."""
+
+    token_lists: list[list[int]]
+    max_new: list[int]
+    sampling: list[SamplingParams]
+    seeds: list[int]
+    request_ids: list[int]
+
+
+def check_requests(
+    model: Model,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int | Sequence[int],
+    sampling: SamplingParams | Sequence[SamplingParams] | None,
+    seed: int | Sequence[int],
+    request_ids: Sequence[int] | None,
+) -> CheckedRequests:
+    """Tokenize and check `generate`'s arguments (InputError naming the prompt and field)."""
+    token_lists = tokenize_prompts(model, prompts)
+    n = len(token_lists)
+    if n == 0:
+        raise InputError("generate: no prompts given")
+    max_new = _int_list(max_new_tokens, n, "max_new_tokens", 1, INT32_MAX)
+    for i, m in enumerate(max_new):
+        context = model.config.max_position_embeddings
+        if len(token_lists[i]) + m > context:
+            raise InputError(
+                f"generate: prompt {i} has {len(token_lists[i])} tokens + max_new_tokens {m} = "
+                f"{len(token_lists[i]) + m}, beyond the model's context of {context}"
+            )
+    sampling_list = _as_list(sampling if sampling is not None else SamplingParams(), n, "sampling")
+    seeds = _int_list(seed, n, "seed", 0, INT32_MAX)
+    ids = _int_list(list(request_ids) if request_ids is not None else 0, n, "request_ids", 0, INT32_MAX)
+    return CheckedRequests(token_lists, max_new, list(sampling_list), seeds, ids)
+
+
+def padded_requests(checked: CheckedRequests, rows: int, prompt_len: int) -> Requests:
+    """The checked requests as device arrays: [rows, prompt_len] prompts (padding rows: length 1,
+    budget 0, greedy)."""
+    n = len(checked.token_lists)
+    tokens = np.zeros((rows, prompt_len), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    budgets = np.zeros((rows,), np.int32)
+    for i, t in enumerate(checked.token_lists):
+        tokens[i, : len(t)] = t
+        lengths[i] = len(t)
+        budgets[i] = checked.max_new[i]
+    pad = rows - n
+    return Requests(
+        prompt_tokens=jnp.asarray(tokens),
+        prompt_lengths=jnp.asarray(lengths),
+        max_new_tokens=jnp.asarray(budgets),
+        seeds=jnp.asarray(checked.seeds + [0] * pad, jnp.int32),
+        request_ids=jnp.asarray(checked.request_ids + [0] * pad, jnp.int32),
+        sampling=SamplingArrays.from_params(checked.sampling + [SamplingParams()] * pad, rows),
+    )
+
+
+def completion(model: Model, token_ids: np.ndarray, stopped: bool, rounds: int, stats: dict) -> Completion:
+    """One request's Completion from its output row (token_ids: the kept tokens)."""
+    ids = [int(t) for t in token_ids]
+    text, error = _decode(model, ids)
+    stats = {
+        "new_tokens": len(ids),
+        "rounds": int(rounds),
+        # tokens emitted per verify round (the prefill's first token excluded); 1.0 without speculation
+        "mean_accepted_length": (len(ids) - 1) / int(rounds) if rounds > 0 else 0.0,
+        **stats,
+    }
+    finish = "stop" if stopped else "length"
+    return Completion(token_ids=ids, text=text, finish_reason=finish, stats=stats, error=error)
+
+
 def generate(
     model: Model,
     prompts: Sequence[Prompt],
@@ -127,41 +202,13 @@ def generate(
     """
     if isinstance(spec, dict):
         spec = SpecConfig.from_dict(spec)
-    token_lists = tokenize_prompts(model, prompts)
+    checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
+    token_lists, max_new = checked.token_lists, checked.max_new
     n = len(token_lists)
-    if n == 0:
-        raise InputError("generate: no prompts given")
-    max_new = _int_list(max_new_tokens, n, "max_new_tokens", 1, INT32_MAX)
-    for i, m in enumerate(max_new):
-        context = model.config.max_position_embeddings
-        if len(token_lists[i]) + m > context:
-            raise InputError(
-                f"generate: prompt {i} has {len(token_lists[i])} tokens + max_new_tokens {m} = "
-                f"{len(token_lists[i]) + m}, beyond the model's context of {context}"
-            )
-    sampling_list = _as_list(sampling if sampling is not None else SamplingParams(), n, "sampling")
-    seeds = _int_list(seed, n, "seed", 0, INT32_MAX)
-    ids = _int_list(list(request_ids) if request_ids is not None else 0, n, "request_ids", 0, INT32_MAX)
-
     rows = batch_bucket(n)
     prompt_len = length_bucket(max(len(t) for t in token_lists))
     new_bucket = length_bucket(max(max_new))
-    tokens = np.zeros((rows, prompt_len), np.int32)
-    lengths = np.ones((rows,), np.int32)
-    budgets = np.zeros((rows,), np.int32)
-    for i, t in enumerate(token_lists):
-        tokens[i, : len(t)] = t
-        lengths[i] = len(t)
-        budgets[i] = max_new[i]
-    pad = rows - n
-    requests = Requests(
-        prompt_tokens=jnp.asarray(tokens),
-        prompt_lengths=jnp.asarray(lengths),
-        max_new_tokens=jnp.asarray(budgets),
-        seeds=jnp.asarray(seeds + [0] * pad, jnp.int32),
-        request_ids=jnp.asarray(ids + [0] * pad, jnp.int32),
-        sampling=SamplingArrays.from_params(list(sampling_list) + [SamplingParams()] * pad, rows),
-    )
+    requests = padded_requests(checked, rows, prompt_len)
     if model.mesh is not None:  # rows over the "data" axis (every process passes the same inputs)
         requests = place_batch(requests, model.mesh)
     with streaming_to(stream) if stream is not None else contextlib.nullcontext():
@@ -186,20 +233,11 @@ def generate(
     extra = to_host(extra)
     completions = []
     for i in range(n):
-        ids_i = [int(t) for t in out_tokens[i, : counts[i]]]
-        text, error = _decode(model, ids_i)
         stats: dict[str, Any] = {
-            "new_tokens": len(ids_i),
-            "rounds": int(rounds[i]),
-            # tokens emitted per verify round (the prefill's first token excluded); 1.0 without speculation
-            "mean_accepted_length": (len(ids_i) - 1) / int(rounds[i]) if rounds[i] > 0 else 0.0,
             "batch_time_s": elapsed,
             "batch_tokens_per_s": float(counts[:n].sum()) / elapsed,
         }
         for key, value in extra.items():
             stats[key] = value[i].tolist() if np.ndim(value[i]) else value[i].item()
-        finish = "stop" if stopped[i] else "length"
-        completions.append(
-            Completion(token_ids=ids_i, text=text, finish_reason=finish, stats=stats, error=error)
-        )
+        completions.append(completion(model, out_tokens[i, : counts[i]], stopped[i], rounds[i], stats))
     return completions

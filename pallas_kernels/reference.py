@@ -38,7 +38,10 @@ def tree_attention_reference(
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     qg = q.reshape(b, hkv, group, n, d).astype(jnp.float32) * scale
-    s_prefix = jnp.einsum("bhgnd,bhsd->bhgns", qg, k_cache.astype(jnp.float32))
+    # The cache is the dot's left operand ([S, D] rows times the G * N query vectors), then the small
+    # [S, G * N] result is transposed: XLA:CPU runs "keys as rows" ~5x faster than q @ k.T at decode
+    # shapes (30 layers at 64 rows, S = 256: ~35 ms against ~200 ms), the same values.
+    s_prefix = jnp.einsum("bhsd,bhgnd->bhsgn", k_cache.astype(jnp.float32), qg).transpose(0, 1, 3, 4, 2)
     s_tree = jnp.einsum("bhgnd,bhmd->bhgnm", qg, k_tree.astype(jnp.float32))
     prefix_ok = jnp.arange(s)[None, :] < lengths[:, None]  # [B, S]
     neg = jnp.finfo(jnp.float32).min

@@ -16,6 +16,15 @@ the autoregressive program: its column repeats the autoregressive number.
 --calibrate also times n-gram drafting at each of --depths (and --topks) per batch size and prints the
 fastest shape per batch size as a policy table (off where nothing beats autoregressive by --margin):
 the measurements behind `jaxspec.spec.policy.default_policy("cpu")`. Prints Markdown tables.
+
+--continuous: offline throughput on a mixed workload, side by side in one run. --requests requests
+cycle through the dev prompts with max_new_tokens drawn from --mixed-budgets (fixed seed); greedy,
+autoregressive. For each --slots count: jaxspec static batches (`jaxspec.generate` on batches of that
+size, sorted by length bucket as the batch job plans them), jaxspec continuous batching
+(`jaxspec.continuous.generate_continuous`) and, with --peer, Hugging Face transformers batched
+`generate` (left padding, same batch size, float32, each batch run to its largest budget, tokens past a
+request's own budget or EOS not counted). Reports total tokens/s, total time, time to the first
+finished request and peak RSS; compilation is excluded (every program is compiled first).
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ import argparse
 import dataclasses
 import json
 import os
+import random
+import resource
 import statistics
 import time
 
@@ -169,6 +180,127 @@ def calibrate(args, model, prompts) -> list[dict]:
     return results
 
 
+def peak_rss_gib() -> float:
+    """Peak resident memory of this process so far (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def kept_length(ids: list[int], budget: int, eos: tuple[int, ...]) -> int:
+    """Tokens a request keeps: up to and including its first EOS, at most its budget."""
+    for j, t in enumerate(ids[:budget]):
+        if t in eos:
+            return j + 1
+    return min(len(ids), budget)
+
+
+def run_static(model, prompts, budgets, batch_size):
+    """jaxspec.generate over batches of `batch_size` (sorted by (prompt bucket, budget bucket)):
+    (tokens, seconds, seconds to the first finished batch)."""
+    order = sorted(
+        range(len(prompts)), key=lambda i: (length_bucket(len(prompts[i])), length_bucket(budgets[i]), i)
+    )
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    warmed = set()
+    for b in batches:  # compile every shape first (same buckets, shortest budget)
+        key = (
+            len(b),
+            length_bucket(max(len(prompts[i]) for i in b)),
+            length_bucket(max(budgets[i] for i in b)),
+        )
+        if key not in warmed:
+            warmed.add(key)
+            jaxspec.generate(model, [prompts[i] for i in b], max_new_tokens=warmup_budget(key[2]))
+    start, first, tokens = time.perf_counter(), None, 0
+    for b in batches:
+        out = jaxspec.generate(model, [prompts[i] for i in b], max_new_tokens=[budgets[i] for i in b])
+        tokens += sum(len(c.token_ids) for c in out)
+        first = first or time.perf_counter() - start
+    return tokens, time.perf_counter() - start, first
+
+
+def run_continuous_batching(model, prompts, budgets, slots):
+    from jaxspec.continuous import compile_continuous, generate_continuous
+
+    compile_continuous(model, prompts, budgets, slots=slots)
+    first = []
+    start = time.perf_counter()
+    out = generate_continuous(
+        model, prompts, max_new_tokens=budgets, slots=slots,
+        on_finished=lambda batch: first.append(time.perf_counter() - start) if not first else None,
+    )  # fmt: skip
+    return sum(len(c.token_ids) for c in out), time.perf_counter() - start, first[0]
+
+
+def run_hf(peer, prompts, budgets, batch_size):
+    """transformers batched greedy generate, left padded, in the static batches' order."""
+    import torch
+
+    eos = peer.eos_token_ids
+    pad = (*eos, 0)[0]
+    order = sorted(
+        range(len(prompts)), key=lambda i: (length_bucket(len(prompts[i])), length_bucket(budgets[i]), i)
+    )
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+    def one(b):
+        width = max(len(prompts[i]) for i in b)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in b])
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in b])
+        with torch.inference_mode():
+            out = peer.model.generate(
+                ids, attention_mask=mask, max_new_tokens=max(budgets[i] for i in b), do_sample=False,
+                eos_token_id=list(eos), pad_token_id=pad,
+            )  # fmt: skip
+        return sum(kept_length(out[r, width:].tolist(), budgets[i], eos) for r, i in enumerate(b))
+
+    one(batches[0][:2])  # warm-up
+    start, first, tokens = time.perf_counter(), None, 0
+    for b in batches:
+        tokens += one(b)
+        first = first or time.perf_counter() - start
+    return tokens, time.perf_counter() - start, first
+
+
+def continuous(args, model, prompts) -> list[dict]:
+    rng = random.Random(0)
+    reqs = [prompts[i % len(prompts)] for i in range(args.requests)]
+    budgets = [rng.choice(args.mixed_budgets) for _ in reqs]
+    peer = None
+    if args.peer:
+        from jaxspec.bench.peer import load_peer
+
+        peer = load_peer(model.source, model.eos_token_ids)
+    print(
+        f"{len(reqs)} requests, budgets {args.mixed_budgets} (mean {statistics.mean(budgets):.1f})",
+        flush=True,
+    )
+    rows, results = [], []
+    for slots in args.slots:
+        engines = [("jaxspec static batches", run_static), ("jaxspec continuous", run_continuous_batching)]
+        measured = {}
+        if peer is not None:
+            engines.append(("transformers batched", lambda _model, *rest: run_hf(peer, *rest)))
+        for label, fn in engines:
+            tokens, seconds, first = fn(model, reqs, budgets, slots)
+            measured[label] = (tokens, seconds, first)
+            print(
+                f"slots {slots}: {label}: {tokens / seconds:.1f} tok/s, {seconds:.1f} s, first result "
+                f"{first:.1f} s, load {os.getloadavg()[0]:.1f}, peak RSS {peak_rss_gib():.2f} GiB",
+                flush=True,
+            )
+        static_rate = measured["jaxspec static batches"][0] / measured["jaxspec static batches"][1]
+        for label, (tokens, seconds, first) in measured.items():
+            rate = tokens / seconds
+            rows.append([str(slots), label, f"{rate:.1f}", f"{rate / static_rate:.2f}x", f"{seconds:.1f}",
+                         f"{first:.1f}", str(tokens)])  # fmt: skip
+            results.append({"slots": slots, "engine": label, "tokens": tokens, "seconds": seconds,
+                            "first_result_s": first, "tokens_per_s": rate})  # fmt: skip
+    header = ["slots / batch", "engine", "tok/s", "vs static", "total s", "first result s", "tokens"]
+    print(markdown(header, rows))
+    print(f"peak RSS {peak_rss_gib():.2f} GiB")
+    return results
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -189,6 +321,11 @@ def main() -> None:
     p.add_argument("--depths", type=int_list, default=[1, 2, 3, 4])
     p.add_argument("--topks", type=int_list, default=[1])
     p.add_argument("--margin", type=float, default=0.05, help="calibrate: required speedup over 1.0")
+    p.add_argument("--continuous", action="store_true", help="static vs continuous vs transformers")
+    p.add_argument("--requests", type=int, default=256, help="--continuous: number of requests")
+    p.add_argument("--mixed-budgets", type=int_list, default=[16, 32, 64, 128])
+    p.add_argument("--slots", type=int_list, default=[16, 64], help="--continuous: slots = batch sizes")
+    p.add_argument("--peer", action="store_true", help="--continuous: also transformers batched generate")
     p.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
@@ -208,7 +345,12 @@ def main() -> None:
         f"batches per size {args.batches}, load average {load_before:.1f}",
         flush=True,
     )
-    results = calibrate(args, model, prompts) if args.calibrate else compare(args, model, prompts)
+    if args.continuous:
+        results = continuous(args, model, prompts)
+    elif args.calibrate:
+        results = calibrate(args, model, prompts)
+    else:
+        results = compare(args, model, prompts)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

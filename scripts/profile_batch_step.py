@@ -1,0 +1,119 @@
+"""Where a greedy autoregressive decode step spends its time at large batch, by component.
+
+    python scripts/profile_batch_step.py --rows 16,64 [--max-len 256] [--fill 128] [--iters 8]
+
+Each component is timed as its own step inside one compiled `lax.fori_loop`
+(`jaxspec.bench.step_costs.median_loop_step_time`), as the generate loop runs it:
+
+* full step: forward over one token + LM head + logits processing + sampling + output append;
+* forward at S = max_len and at S = 16: the 30 layers (their matmuls + attention over the padded
+  cache); the difference is what attention over the padded cache costs;
+* LM head (tied embedding, [B, d] x [V, d]) + argmax;
+* process_logits + sample_from_probs over the [B, V] logits (greedy rows);
+* output bookkeeping (`append_tokens`).
+
+Rows hold `--fill` committed tokens each (the cache is padded to `--max-len`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+import jaxspec
+from jaxspec.bench.step_costs import median_loop_step_time
+from jaxspec.cache import KVCache
+from jaxspec.config import SamplingParams
+from jaxspec.forward import lm_logits, model_forward
+from jaxspec.output_buffer import OutputBuffer, append_tokens
+from jaxspec.spec import sampling
+
+
+def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int) -> dict[str, float]:
+    graphdef, params, config = model.graphdef, model.params, model.config
+    samp = sampling.SamplingArrays.from_params(SamplingParams(), rows)
+    seeds = jnp.zeros((rows,), jnp.int32)
+    one = jnp.ones((rows, 1, 1), bool)
+    eos = jnp.asarray([-1], jnp.int32)
+    budget = jnp.full((rows,), 1 << 20, jnp.int32)
+
+    def cache_of(size: int) -> KVCache:
+        cache = KVCache.zeros(config, rows, size, model.dtype)
+        return dataclasses.replace(cache, lengths=jnp.full((rows,), min(fill, size - 2), jnp.int32))
+
+    def full(carry, params, token):
+        cache, out = carry
+        hidden, _, cache = model_forward(graphdef, params, token[:, None], cache.lengths[:, None], cache, one)
+        probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), samp)
+        keys = sampling.derive_key(seeds, seeds, 1, sampling.PURPOSE_BONUS)
+        new = sampling.sample_from_probs(probs, keys)
+        out, _ = append_tokens(out, new[:, None], jnp.ones((rows,), jnp.int32), budget, eos)
+        out = dataclasses.replace(out, count=out.count % 64)  # never fills up
+        return cache, out
+
+    def forward(carry, params, token):
+        cache, acc = carry
+        hidden, _, cache = model_forward(graphdef, params, token[:, None], cache.lengths[:, None], cache, one)
+        return cache, acc + hidden[:, 0, :1]
+
+    def head(carry, params, hidden):
+        return carry + sampling.first_argmax(lm_logits(graphdef, params, hidden + carry[:, None] * 0))
+
+    def process(carry, logits):
+        probs = sampling.process_logits(logits + carry[:, None].astype(jnp.float32) * 0, samp)
+        keys = sampling.derive_key(seeds, seeds, 1, sampling.PURPOSE_BONUS)
+        return carry + sampling.sample_from_probs(probs, keys)
+
+    def book(carry, token):
+        out, _ = append_tokens(carry, token[:, None], jnp.ones((rows,), jnp.int32), budget, eos)
+        return dataclasses.replace(out, count=out.count % 64)
+
+    token = jnp.arange(rows, dtype=jnp.int32) + 100
+    hidden = jax.random.normal(jax.random.key(0), (rows, config.hidden_size), model.dtype)
+    logits = jax.random.normal(jax.random.key(1), (rows, config.vocab_size), jnp.float32)
+    t = {}
+    t["full step"] = median_loop_step_time(
+        full, (cache_of(max_len), OutputBuffer.empty(rows, 128)), (params, token), iters=iters
+    )
+    t[f"forward S={max_len}"] = median_loop_step_time(
+        forward, (cache_of(max_len), jnp.zeros((rows, 1), model.dtype)), (params, token), iters=iters
+    )
+    t["forward S=16"] = median_loop_step_time(
+        forward, (cache_of(16), jnp.zeros((rows, 1), model.dtype)), (params, token), iters=iters
+    )
+    t["LM head + argmax"] = median_loop_step_time(
+        head, jnp.zeros((rows,), jnp.int32), (params, hidden), iters=iters
+    )
+    t["process_logits + sample"] = median_loop_step_time(
+        process, jnp.zeros((rows,), jnp.int32), (logits,), iters=iters
+    )
+    t["append_tokens"] = median_loop_step_time(book, OutputBuffer.empty(rows, 128), (token,), iters=iters)
+    return t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--rows", default="16,64")
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--fill", type=int, default=128)
+    p.add_argument("--iters", type=int, default=8)
+    args = p.parse_args()
+    model = jaxspec.load(args.model)
+    print(f"load average {os.getloadavg()[0]:.1f}, {model.dtype}, max_len {args.max_len}, fill {args.fill}")
+    print("| component | " + " | ".join(f"{r} rows (ms)" for r in args.rows.split(",")) + " |")
+    results = [profile(model, int(r), args.max_len, args.fill, args.iters) for r in args.rows.split(",")]
+    print("|---|" + "---|" * len(results))
+    for name in results[0]:
+        print(f"| {name} | " + " | ".join(f"{r[name] * 1e3:.1f}" for r in results) + " |")
+    for r, rows in zip(results, args.rows.split(","), strict=True):
+        print(f"{rows} rows: {int(rows) / r['full step']:.0f} tok/s at the full step")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
