@@ -306,3 +306,78 @@ def test_cli_mesh_trains_exports_and_reports_throughput(tiny, rows, store, tmp_p
 
     bad = subprocess.run(command[:-2] + ["--mesh", "3x4"], env=env, cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "--mesh 3x4" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_train_on_one_global_mesh_then_export_on_one_host(tiny, rows, store, tmp_path):
+    """Two processes x 4 CPU devices (jax.distributed over loopback) train on one 2x4 mesh with the losses
+    of one process on 8 devices; the head is exported afterwards by one process from the checkpoint."""
+    from jaxspec.train.distill import append_jsonl_rows
+    from jaxspec.train.export import load_saved_head
+    from tests.test_multihost import free_port
+
+    def workdir(name):
+        d = tmp_path / name
+        d.mkdir()
+        append_jsonl_rows(d / "distill.jsonl", rows)
+        shutil.copytree(store.path, d / "features")
+        return d
+
+    def command(d, *extra):
+        return [
+            sys.executable, "-m", "jaxspec.cli", "train", "--method", "mtp", "--model", str(tiny),
+            "--workdir", str(d), "--steps", "10", "--batch-size", "8", "--depth", "2", "--num-positions", "8",
+            "--max-len", "32", "--log-every", "1", "--save-dtype", "float32", "--no-progress", *extra,
+        ]  # fmt: skip
+
+    single, pair = workdir("single"), workdir("pair")
+    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    done = subprocess.run(command(single, "--stages", "train", "--mesh", "2x4"), env=env, cwd=REPO,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    port = free_port()
+    env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    procs = [
+        subprocess.Popen(
+            command(
+                pair,
+                "--stages",
+                "train",
+                "--mesh",
+                "2x4",
+                "--coordinator-address",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ),
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "run_mtp" / "metrics.jsonl").open()]
+
+    assert len(losses(pair)) == 10  # one process wrote the log
+    np.testing.assert_allclose(losses(pair), losses(single), rtol=RTOL)
+    # Export on one host, one device: the checkpoint of the two-process mesh restores there.
+    done = subprocess.run(command(pair, "--stages", "export", "--output", str(pair / "head")), env=_env(),
+                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((pair / "head" / "training.json").read_text())["steps"] == 10
+    assert load_saved_head(pair / "head").config.num_modules == 1

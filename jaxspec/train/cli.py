@@ -97,6 +97,9 @@ def add_parser(subparsers) -> None:
         help="train on a (data x model) device mesh, e.g. 4x2: the target sharded by jaxspec's rules, the "
         "head replicated, each batch split over data (--batch-size is global; a multiple of DATA)",
     )  # fmt: skip
+    from jaxspec.distributed import add_distributed_flags
+
+    add_distributed_flags(p)
     p.add_argument("--resume", action="store_true", help="continue training from the latest checkpoint")
     p.add_argument("--save-dtype", default="bfloat16")
     p.add_argument("--no-progress", action="store_true")
@@ -178,6 +181,16 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     output = Path(args.output or workdir / f"head_{args.method}")
     progress = not args.no_progress
+    from jaxspec.distributed import initialize_from_args
+
+    if initialize_from_args(args) and stages != ["train"]:
+        import jax
+
+        if jax.process_index() == 0:
+            print("jaxspec train: with several processes only --stages train runs (on the global mesh); run "
+                  "distill and features once on one host before, and export on one host after (it restores "
+                  "the last checkpoint onto one device)", file=sys.stderr)  # fmt: skip
+        return 2
     mesh = None
     if args.mesh:
         from jaxspec.sharding import make_mesh, parse_mesh_shape
@@ -309,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     if "export" in stages and result is not None:
         from flax import nnx
 
+        from jaxspec.distributed import to_host
         from jaxspec.train.export import save_head
 
         info = {
@@ -317,8 +331,6 @@ def run(args: argparse.Namespace) -> int:
             "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
             "mesh": args.mesh or "1x1", "throughput": result.throughput,
         }  # fmt: skip
-        from jaxspec.distributed import to_host
-
         # Host copies: the exported head loads on one device whatever mesh trained it.
         params = nnx.merge_state(to_host(result.trainable["head"]), to_host(head_fixed))
         curves = workdir / f"run_{args.method}" / "curves.png"
