@@ -381,3 +381,78 @@ def test_two_processes_train_on_one_global_mesh_then_export_on_one_host(tiny, ro
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((pair / "head" / "training.json").read_text())["steps"] == 10
     assert load_saved_head(pair / "head").config.num_modules == 1
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_process_then_rerun_of_both_loses_nothing(tiny, rows, store, tmp_path):
+    """Two processes on one 2x4 mesh; process 1 is SIGKILLed after a checkpoint, process 0 is killed too
+    (its collectives cannot finish), both rerun with --resume: every step is logged once and the losses
+    are a one-process run's on 8 devices."""
+    import os
+    import signal
+    import time
+
+    from jaxspec.train.distill import append_jsonl_rows
+    from tests.test_multihost import free_port
+
+    dirs = {}
+    for name in ("single", "pair"):
+        dirs[name] = tmp_path / name
+        dirs[name].mkdir()
+        append_jsonl_rows(dirs[name] / "distill.jsonl", rows)
+        shutil.copytree(store.path, dirs[name] / "features")
+    args = [
+        sys.executable, "-m", "jaxspec.cli", "train", "--method", "mtp", "--model", str(tiny),
+        "--steps", "30", "--batch-size", "8", "--depth", "2", "--num-positions", "8", "--max-len", "32",
+        "--log-every", "1", "--checkpoint-every", "5", "--mesh", "2x4", "--no-progress", "--stages", "train",
+    ]  # fmt: skip
+    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    single = subprocess.Popen(args + ["--workdir", str(dirs["single"])], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+    def pair(*extra):
+        port = free_port()
+        pair_env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+        return [
+            subprocess.Popen(
+                args
+                + [
+                    "--workdir",
+                    str(dirs["pair"]),
+                    "--coordinator-address",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                    *extra,
+                ],
+                env=pair_env,
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            for i in range(2)
+        ]
+
+    first = pair()
+    checkpoints = dirs["pair"] / "run_mtp" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (checkpoints / "10").exists() and first[1].poll() is None:
+        time.sleep(0.05)
+    for p in reversed(first):
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    assert steps and max(steps) < 30, f"the run was not interrupted mid-training: {steps}"
+    second = pair("--resume")
+    for p in second + [single]:
+        assert p.wait(timeout=600) == 0
+
+    def log(d):
+        return [json.loads(line) for line in (d / "run_mtp" / "metrics.jsonl").open()]
+
+    resumed, straight = log(dirs["pair"]), log(dirs["single"])
+    assert [e["step"] for e in resumed] == list(range(1, 31))
+    np.testing.assert_allclose([e["loss"] for e in resumed], [e["loss"] for e in straight], rtol=RTOL)
