@@ -308,13 +308,24 @@ def test_cli_mesh_trains_exports_and_reports_throughput(tiny, rows, store, tmp_p
     assert bad.returncode == 2 and "--mesh 3x4" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def start_two_processes(command: list[str], **popen) -> list[subprocess.Popen]:
+    """`command` as processes 0 and 1 of one jax.distributed run over loopback, 4 CPU devices each."""
+    from tests.test_multihost import free_port
+
+    env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    flags = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
+    return [
+        subprocess.Popen(command + flags + ["--process-id", str(i)], env=env, cwd=REPO, **popen)
+        for i in range(2)
+    ]
+
+
 @pytest.mark.slow
 def test_two_processes_train_on_one_global_mesh_then_export_on_one_host(tiny, rows, store, tmp_path):
     """Two processes x 4 CPU devices (jax.distributed over loopback) train on one 2x4 mesh with the losses
     of one process on 8 devices; the head is exported afterwards by one process from the checkpoint."""
     from jaxspec.train.distill import append_jsonl_rows
     from jaxspec.train.export import load_saved_head
-    from tests.test_multihost import free_port
 
     def workdir(name):
         d = tmp_path / name
@@ -336,31 +347,10 @@ def test_two_processes_train_on_one_global_mesh_then_export_on_one_host(tiny, ro
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 
-    port = free_port()
-    env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-    procs = [
-        subprocess.Popen(
-            command(
-                pair,
-                "--stages",
-                "train",
-                "--mesh",
-                "2x4",
-                "--coordinator-address",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ),
-            env=env,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
+    procs = start_two_processes(
+        command(pair, "--stages", "train", "--mesh", "2x4"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
@@ -393,7 +383,6 @@ def test_sigkill_of_one_process_then_rerun_of_both_loses_nothing(tiny, rows, sto
     import time
 
     from jaxspec.train.distill import append_jsonl_rows
-    from tests.test_multihost import free_port
 
     dirs = {}
     for name in ("single", "pair"):
@@ -411,29 +400,8 @@ def test_sigkill_of_one_process_then_rerun_of_both_loses_nothing(tiny, rows, sto
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
     def pair(*extra):
-        port = free_port()
-        pair_env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
-        return [
-            subprocess.Popen(
-                args
-                + [
-                    "--workdir",
-                    str(dirs["pair"]),
-                    "--coordinator-address",
-                    f"127.0.0.1:{port}",
-                    "--num-processes",
-                    "2",
-                    "--process-id",
-                    str(i),
-                    *extra,
-                ],
-                env=pair_env,
-                cwd=REPO,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            for i in range(2)
-        ]
+        command = args + ["--workdir", str(dirs["pair"]), *extra]
+        return start_two_processes(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     first = pair()
     checkpoints = dirs["pair"] / "run_mtp" / "checkpoints"
