@@ -92,6 +92,14 @@ def add_parser(subparsers) -> None:
     )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=100, help="validation interval in steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mesh", default=None, metavar="DATAxMODEL",
+        help="train on a (data x model) device mesh, e.g. 4x2: the target sharded by jaxspec's rules, the "
+        "head replicated, each batch split over data (--batch-size is global; a multiple of DATA)",
+    )  # fmt: skip
+    from jaxspec.distributed import add_distributed_flags
+
+    add_distributed_flags(p)
     p.add_argument("--resume", action="store_true", help="continue training from the latest checkpoint")
     p.add_argument("--save-dtype", default="bfloat16")
     p.add_argument("--no-progress", action="store_true")
@@ -173,7 +181,30 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     output = Path(args.output or workdir / f"head_{args.method}")
     progress = not args.no_progress
-    model = jaxspec.load(args.model)
+    from jaxspec.distributed import initialize_from_args
+
+    if initialize_from_args(args) and stages != ["train"]:
+        import jax
+
+        if jax.process_index() == 0:
+            print("jaxspec train: with several processes only --stages train runs (on the global mesh); run "
+                  "distill and features once on one host before, and export on one host after (it restores "
+                  "the last checkpoint onto one device)", file=sys.stderr)  # fmt: skip
+        return 2
+    mesh = None
+    if args.mesh:
+        from jaxspec.sharding import make_mesh, parse_mesh_shape
+
+        try:
+            mesh = make_mesh(*parse_mesh_shape(args.mesh))
+        except ValueError as error:
+            print(f"jaxspec train: --mesh {args.mesh}: {error}", file=sys.stderr)
+            return 2
+        if args.batch_size % mesh.shape["data"]:
+            print(f"jaxspec train: --batch-size {args.batch_size} is not a multiple of the data axis of "
+                  f"--mesh {args.mesh}", file=sys.stderr)  # fmt: skip
+            return 2
+    model = jaxspec.load(args.model, mesh=mesh)
     timings: dict[str, float] = {}
 
     dataset = None
@@ -281,23 +312,27 @@ def run(args: argparse.Namespace) -> int:
             objective, params, {"target": model.params, "head_fixed": head_fixed}, source,
             workdir / f"run_{args.method}", train_config, online=online,
             resume=args.resume or "train" not in stages, progress=progress,
-            stop_after=None if "train" in stages else 0, validation=validation,
+            stop_after=None if "train" in stages else 0, validation=validation, mesh=mesh,
         )  # fmt: skip
         timings["train_s"] = time.perf_counter() - t0
         last = result.metrics[-1] if result.metrics else {}
-        print(json.dumps({"method": args.method, "step": result.step, "last": last, **timings}))
+        print(json.dumps({"method": args.method, "step": result.step, "last": last, **timings,
+                          "throughput": result.throughput}))  # fmt: skip
 
     if "export" in stages and result is not None:
         from flax import nnx
 
+        from jaxspec.distributed import to_host
         from jaxspec.train.export import save_head
 
         info = {
             "target": args.model, "command": "jaxspec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "steps": result.step, "sequences": len(rows), **timings,
             "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
+            "mesh": args.mesh or "1x1", "throughput": result.throughput,
         }  # fmt: skip
-        params = nnx.merge_state(result.trainable["head"], head_fixed)
+        # Host copies: the exported head loads on one device whatever mesh trained it.
+        params = nnx.merge_state(to_host(result.trainable["head"]), to_host(head_fixed))
         curves = workdir / f"run_{args.method}" / "curves.png"
         save_head(output, head.config, head.graphdef, params, dtype=args.save_dtype, info=info, curves=curves)
         print(f"saved {args.method} head to {output}")

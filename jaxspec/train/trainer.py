@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from jaxspec.train.losses import Objective
@@ -155,10 +156,14 @@ def validation_split(ids: list[str], categories: list[str], fraction: float) -> 
     return [i for i in range(len(ids)) if i not in held], sorted(held)
 
 
-def make_train_step(objective: Objective, optimizer: optax.GradientTransformation, online: bool) -> Callable:
+def make_train_step(
+    objective: Objective, optimizer: optax.GradientTransformation, online: bool, out_shardings: Any = None
+) -> Callable:
     """jit((trainable, opt_state, fixed, batch, key) -> (trainable, opt_state, metrics)).
 
     online: the batch holds tokens/lengths/starts only; the target's features are computed in the step.
+    out_shardings: on a mesh, (trainable's, opt_state's, metrics') shardings, so the updated parameters
+      stay where they were placed (`jaxspec.train.mesh`); the inputs' shardings come from the arrays.
     """
 
     def train_step(trainable, opt_state, fixed, batch, key):
@@ -168,7 +173,7 @@ def make_train_step(objective: Objective, optimizer: optax.GradientTransformatio
         trainable = optax.apply_updates(trainable, updates)
         return trainable, opt_state, dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
 
-    return jax.jit(train_step)
+    return jax.jit(train_step, out_shardings=out_shardings)
 
 
 class MetricsLog:
@@ -198,7 +203,9 @@ class MetricsLog:
 
 def _to_host(metrics: dict[str, jax.Array]) -> dict[str, Any]:
     out = {}
-    for name, value in jax.device_get(metrics).items():
+    from jaxspec.distributed import to_host
+
+    for name, value in to_host(metrics).items():
         value = np.asarray(value)
         out[name] = value.tolist() if value.ndim else float(value)
     return out
@@ -240,12 +247,28 @@ def plot_curves(entries: list[dict], path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
+def throughput(seconds: float, steps: int, sequences: int, tokens: int, devices: int) -> dict[str, float]:
+    """Per-step and per-device rates over `steps` steps that took `seconds` of wall time.
+
+    tokens: the real (unpadded) tokens of those steps' batches; `tokens_per_s_per_device` divides the
+    global rate by the devices of the mesh (1 without one)."""
+    seconds = max(seconds, 1e-9)
+    return {
+        "step_s": seconds / steps, "sequences_per_s": sequences / seconds, "tokens_per_s": tokens / seconds,
+        "tokens_per_s_per_device": tokens / seconds / devices, "devices": devices,
+    }  # fmt: skip
+
+
 @dataclasses.dataclass
 class TrainResult:
+    """trainable: the final parameters; metrics: the log's entries; throughput: `throughput(...)` over
+    this call's steps after its first (which compiles), empty when it ran fewer than two."""
+
     trainable: dict[str, Any]
     step: int
     metrics: list[dict]
     seconds: float
+    throughput: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def train(
@@ -261,21 +284,37 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     validation: Any = None,
+    mesh: Mesh | None = None,
 ) -> TrainResult:
     """Train `trainable` ({"head": nnx.State of Params}, optionally "backbone") for config.steps steps.
 
     source: `read(indices) -> dict of numpy arrays` and `num_sequences` (a FeatureStore, or an online
       source of tokens/lengths/starts when `online`).
     run_dir: checkpoints (Orbax, keep N, async), metrics.jsonl, curves.png.
-    resume: continue from the latest checkpoint in run_dir (else a non-empty run_dir is an error).
+    resume: continue from the latest checkpoint in run_dir (else a non-empty run_dir is an error). The
+      checkpoint restores onto this call's placement, whatever mesh (or none) wrote it.
     stop_after: end after this step (tests; a real run uses config.steps).
     validation: a held-out source (same kind as `source`); every `config.eval_every` steps and at the end
       the log entry gets val_loss, val_depth_acc (teacher-forced agreement by depth) and val_tau_proxy.
+    mesh: a (data, model) mesh (`jaxspec.sharding.make_mesh`): the target sharded by the rules table, the
+      head replicated, each batch split over "data" (see `jaxspec.train.mesh`); the global batch is
+      config.batch_size rows, so the losses are those of a one-device run up to the reduction order.
+    Log entries carry step_s, sequences_per_s, tokens_per_s and tokens_per_s_per_device over the steps
+    since the previous entry (the call's first step, which compiles, is left out).
     """
+    from jaxspec.train.mesh import TrainMesh, shardings_of
+
     run_dir = Path(run_dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
+    placement = TrainMesh(mesh) if mesh is not None else None
+    devices = placement.num_devices if placement is not None else 1
+    if placement is not None:
+        placement.check_batch_size(config.batch_size)
+        trainable = placement.place_trainable(trainable, objective.target_config)
     optimizer = make_optimizer(config)
     opt_state = optimizer.init(trainable)
+    if placement is not None:
+        opt_state = placement.place_opt_state(optimizer, opt_state, trainable)
     manager = ocp.CheckpointManager(
         run_dir / "checkpoints",
         options=ocp.CheckpointManagerOptions(
@@ -283,17 +322,23 @@ def train(
         ),
     )
     log = MetricsLog(run_dir / "metrics.jsonl")
+    writer = jax.process_index() == 0  # one process writes the log and the curves
     start = 0
     latest = manager.latest_step()
     if latest is not None:
         if not resume:
             raise ValueError(f"trainer: {run_dir} already has checkpoints; pass resume=True (--resume)")
+        # The restore target's arrays carry this run's shardings: a checkpoint moves between meshes.
         state = manager.restore(
             latest, args=ocp.args.StandardRestore({"trainable": trainable, "opt_state": opt_state})
         )
         trainable, opt_state, start = state["trainable"], state["opt_state"], latest
-    log.truncate(start)
-    step_fn = make_train_step(objective, optimizer, online)
+    if writer:
+        log.truncate(start)
+    out_shardings = None
+    if placement is not None:
+        out_shardings = (shardings_of(trainable), shardings_of(opt_state), placement.replicated)
+    step_fn = make_train_step(objective, optimizer, online, out_shardings)
     if online:  # the target forward's empty KV cache, as an argument (a constant costs minutes to fold)
         from jaxspec.cache import KVCache
 
@@ -301,6 +346,14 @@ def train(
         dtype = jax.tree.leaves(fixed["target"])[0].dtype
         empty = KVCache.zeros(objective.target_config, config.batch_size, max_len, dtype)
         fixed = dict(fixed, empty_cache=empty)
+    if placement is not None:
+        fixed = placement.place_fixed(fixed, objective.target_config)
+
+    def to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if placement is not None:
+            return placement.place_batch(batch)
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+
     names = ["tokens", "lengths", "starts"] if online else None
     evaluate = None
     if validation is not None and config.eval_every > 0:
@@ -308,8 +361,7 @@ def train(
         count = min(config.eval_batches, validation.num_sequences // config.batch_size)
         size = config.batch_size
         eval_batches = [
-            {k: jnp.asarray(v) for k, v in validation.read(range(i * size, (i + 1) * size), names).items()}
-            for i in range(count)
+            to_device(validation.read(range(i * size, (i + 1) * size), names)) for i in range(count)
         ]
         eval_key = jax.random.fold_in(jax.random.key(config.seed), PURPOSE_EVAL)
 
@@ -321,6 +373,9 @@ def train(
 
     end = max(start, min(config.steps, stop_after if stop_after is not None else config.steps))
     began = time.perf_counter()
+    # Throughput bookkeeping: since the last log entry, and over the whole call (both after step one).
+    interval = {"t": 0.0, "steps": 0, "tokens": 0}
+    total = {"t": 0.0, "steps": 0, "tokens": 0}
     bar = tqdm(total=config.steps, initial=start, desc=f"train {objective.method}", disable=not progress)
     for step in range(start, end):
         idx = batch_indices(config.seed, step, config.batch_size, source.num_sequences)
@@ -329,27 +384,54 @@ def train(
             batch = crop_windows(
                 batch, config.window, np.random.default_rng((config.seed, step, PURPOSE_STEP))
             )
-        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        tokens = int(np.clip(batch["lengths"], 0, batch["tokens"].shape[1]).sum())
         trainable, opt_state, metrics = step_fn(
-            trainable, opt_state, fixed, batch, step_key(config.seed, step)
+            trainable, opt_state, fixed, to_device(batch), step_key(config.seed, step)
         )
         done = step + 1
+        if step == start:  # the first step compiles: the rates start after it
+            jax.block_until_ready(metrics)
+            interval["t"] = total["t"] = time.perf_counter()
+        else:
+            for counter in (interval, total):
+                counter["steps"] += 1
+                counter["tokens"] += tokens
         validate = evaluate is not None and (done % config.eval_every == 0 or done == end)
         if done % config.log_every == 0 or done == end or validate:
             entry = {"step": done, **_to_host(metrics), "time_s": time.perf_counter() - began}
+            if interval["steps"]:
+                now = time.perf_counter()
+                entry.update(
+                    throughput(now - interval["t"], interval["steps"], interval["steps"] * config.batch_size,
+                               interval["tokens"], devices)
+                )  # fmt: skip
+                interval = {"t": now, "steps": 0, "tokens": 0}
             if validate:
                 entry.update(evaluate(trainable))
-            log.append(entry)
+                interval["t"] = time.perf_counter()
+            if writer:
+                log.append(entry)
             bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in entry["depth_acc"]))
         if done % config.checkpoint_every == 0 or done == end:
             manager.save(done, args=ocp.args.StandardSave({"trainable": trainable, "opt_state": opt_state}))
         bar.update(1)
     bar.close()
+    jax.block_until_ready(trainable)
+    rates = {}
+    if total["steps"]:
+        seconds = time.perf_counter() - total["t"]
+        rates = throughput(
+            seconds, total["steps"], total["steps"] * config.batch_size, total["tokens"], devices
+        )
+        rates["mesh"] = placement.describe() if placement is not None else "1x1"
     manager.wait_until_finished()
     manager.close()
     entries = log.entries()
-    plot_curves(entries, run_dir / "curves.png", title=objective.method)
-    return TrainResult(trainable=trainable, step=end, metrics=entries, seconds=time.perf_counter() - began)
+    if writer:
+        plot_curves(entries, run_dir / "curves.png", title=objective.method)
+    return TrainResult(
+        trainable=trainable, step=end, metrics=entries, seconds=time.perf_counter() - began, throughput=rates
+    )
 
 
 def split_trainable(params: nnx.State) -> tuple[nnx.State, nnx.State]:
