@@ -5,7 +5,8 @@ train stage after a kill). Work files live in --workdir and are shared by all me
   distill.jsonl     the target's own responses to the training prompts
   features/         tensorstore feature store (final hidden + EAGLE-3 layers)
   run_<method>/     Orbax checkpoints, metrics.jsonl, curves.png
-  magpie_s<seed>.jsonl  user turns sampled by the model (--prompt-source magpie), resumable
+  magpie_s<seed>.jsonl  user turns sampled by the model (--prompt-source magpie; resumable), kept in
+                    the data set's prompts/ folder instead when --dataset is given
 With --dataset DIR the distilled responses go to (and are read from) a repository data set
 (`jaxspec.train.dataset`: compact shards + manifest) instead of distill.jsonl, so they outlive the
 machine and grow run by run. The exported head goes to --output (`SpecConfig(method=..., head=OUTPUT)`).
@@ -37,7 +38,8 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--prompt-source", choices=("templated", "magpie"), default="templated",
         help="templated: jaxspec's task x topic set (or --prompts); magpie: user turns written by the "
-        "model itself (--magpie-per-category per category), cached in WORKDIR/magpie_s<seed>.jsonl",
+        "model itself (--magpie-per-category per category), kept in DATASET/prompts/magpie_s<seed>.jsonl "
+        "(WORKDIR/ without --dataset)",
     )  # fmt: skip
     p.add_argument("--magpie-per-category", type=int, default=256)
     p.add_argument("--magpie-categories", default="all", help="comma-separated (default all)")
@@ -150,14 +152,16 @@ def _derived_rows(args: argparse.Namespace, model, distilled: list[dict]) -> lis
     return rows
 
 
-def _magpie_rows(args: argparse.Namespace, model, workdir: Path) -> list[dict]:
-    """Magpie user turns for the distill stage, sampled batch by batch into a resumable cache file."""
+def _magpie_rows(args: argparse.Namespace, model, folder: Path) -> list[dict]:
+    """Magpie user turns for the distill stage, sampled batch by batch into a resumable file in `folder`
+    (the data set's prompts/ folder, so they outlive the machine, or the work directory)."""
     from jaxspec.train.distill import append_jsonl_rows, read_jsonl_rows
     from jaxspec.train.magpie import CATEGORIES, MagpieConfig, magpie_prompts
     from jaxspec.train.prompts import load_prompt_texts
 
     names = tuple(CATEGORIES) if args.magpie_categories == "all" else tuple(args.magpie_categories.split(","))
-    cache = workdir / f"magpie_s{args.seed}.jsonl"
+    folder.mkdir(parents=True, exist_ok=True)
+    cache = folder / f"magpie_s{args.seed}.jsonl"
     return magpie_prompts(
         model, args.magpie_per_category, categories=names, seed=args.seed,
         config=MagpieConfig(max_new_tokens=args.magpie_max_new_tokens),
@@ -222,7 +226,10 @@ def run(args: argparse.Namespace) -> int:
                 prompt_source=args.prompt_source, seed=args.seed, max_new_tokens=args.max_new_tokens,
                 derived_prompts=args.derived_prompts, sampling="greedy",
             )  # fmt: skip
-        prompts = _magpie_rows(args, model, workdir) if args.prompt_source == "magpie" else _prompt_rows(args)
+        if args.prompt_source == "magpie":
+            prompts = _magpie_rows(args, model, dataset.path / "prompts" if dataset is not None else workdir)
+        else:
+            prompts = _prompt_rows(args)
         distilled = distill(
             model, prompts, sink, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
             seed=args.seed, progress=progress,
