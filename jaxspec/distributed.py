@@ -18,7 +18,6 @@ import argparse
 import os
 from typing import Any
 
-import jax
 import numpy as np
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -49,6 +48,8 @@ def initialize_distributed(
         gloo collectives across processes.
       auto: with no address configured, still initialize and let JAX detect the cluster.
     """
+    import jax  # here, not at import: the CLIs add this module's flags before jax is needed (fast --help)
+
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
@@ -81,6 +82,7 @@ def initialize_from_args(args: argparse.Namespace, **kwargs: Any) -> bool:
 def to_host(tree: Any) -> Any:
     """Device arrays -> numpy, also for global arrays spread over several processes (every process
     gets the full value; all processes must call this together)."""
+    import jax
 
     def fetch(x: Any) -> Any:
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
