@@ -47,6 +47,13 @@ def _pack_qkv(config: ModelConfig, q: np.ndarray, k: np.ndarray, v: np.ndarray) 
     return np.concatenate([q, k, v], axis=1)
 
 
+def unpack_qkv(qkv):
+    """The inverse of `_pack_qkv`: fused [Hkv, G + 2, D, ...] (numpy or jax) -> HF-order
+    (q [Hq*D, ...], k [Hkv*D, ...], v [Hkv*D, ...])."""
+    group, rest = qkv.shape[1] - 2, qkv.shape[3:]
+    return tuple(part.reshape((-1, *rest)) for part in (qkv[:, :group], qkv[:, group], qkv[:, group + 1]))
+
+
 def _fused_from_hf(config: ModelConfig, tensors: dict[str, np.ndarray], source: str) -> dict[str, np.ndarray]:
     """Replace each layer's HF q/k/v and gate/up tensors by the fused tensors under the fused names
     (`...self_attn.qkv_proj.weight`, `...mlp.gate_up_proj.weight`); errors name the HF tensor."""

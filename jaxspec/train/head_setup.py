@@ -19,6 +19,7 @@ from jaxspec.models.heads.configs import (
     head_layer_config,
 )
 from jaxspec.models.heads.head import DraftHead, init_head
+from jaxspec.models.weights import unpack_qkv
 
 
 def draft_vocabulary(rows: Sequence[dict], vocab_size: int, size: int) -> np.ndarray:
@@ -78,15 +79,11 @@ def _copy_decoder_layer(head_layer, target_layer) -> None:
     half (the second d inputs) and keeps its own on the embedding half; both of its input norms start as
     the target's input norm."""
     attention = target_layer.self_attn
-    qkv = attention.qkv_proj.weight[...]  # [Hkv, G + 2, D, d]
-    group, d = qkv.shape[1] - 2, qkv.shape[3]
-
-    def split(x):  # [Hkv, G + 2, D, ...] -> q [Hq * D, ...], k and v [Hkv * D, ...] (HF head order)
-        flat = lambda y: y.reshape((-1,) + x.shape[3:])  # noqa: E731
-        return {"q_proj": flat(x[:, :group]), "k_proj": flat(x[:, group]), "v_proj": flat(x[:, group + 1])}
-
-    parts = split(qkv)
-    biases = split(attention.qkv_proj.bias[...]) if hasattr(attention.qkv_proj, "bias") else {}
+    names = ("q_proj", "k_proj", "v_proj")
+    parts = dict(zip(names, unpack_qkv(attention.qkv_proj.weight[...]), strict=True))
+    d = attention.qkv_proj.weight.shape[-1]
+    has_bias = hasattr(attention.qkv_proj, "bias")
+    biases = dict(zip(names, unpack_qkv(attention.qkv_proj.bias[...]), strict=True)) if has_bias else {}
     for name, weight in parts.items():
         linear = getattr(head_layer.self_attn, name)
         kernel = linear.kernel[...]

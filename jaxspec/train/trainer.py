@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,6 @@ def validation_split(ids: list[str], categories: list[str], fraction: float) -> 
     """(train indices, validation indices) of sequences `ids`: a stable `fraction` of the sequences chosen
     by a hash of their id, among the non-templated ones (Magpie, derived) when there are any, since
     templated prompts say little about real prompts."""
-    import zlib
-
     pool = [i for i, c in enumerate(categories) if c not in TEMPLATED_CATEGORIES] or list(range(len(ids)))
     held = {i for i in pool if zlib.crc32(ids[i].encode()) % 10_000 < fraction * 10_000}
     return [i for i in range(len(ids)) if i not in held], sorted(held)
