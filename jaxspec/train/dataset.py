@@ -229,14 +229,6 @@ class DistilledDataset:
             return self.resume_run(-1)
         return self.begin_run(**info)
 
-    def summary(self) -> dict[str, int]:
-        runs = self.manifest["runs"]
-        return {
-            "runs": len(runs), "records": sum(r["records"] for r in runs),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in runs),
-            "response_tokens": sum(r["response_tokens"] for r in runs),
-        }  # fmt: skip
-
 
 @dataclasses.dataclass
 class DatasetWriter:
