@@ -19,7 +19,7 @@ import pytest
 from jaxspec.sharding import make_mesh
 from jaxspec.train import trainer
 from tests import test_train as one_device_tests
-from tests.test_sharding import collective_shapes
+from tests.test_sharding import collective_ops, collective_shapes
 from tests.test_train import REPO, _env
 
 # The tiny target (4 query heads, 2 kv heads: attention sharded on model=2), its self-distilled rows and
@@ -95,8 +95,6 @@ def one_device(tiny_model, store, tmp_path_factory):
 # The collective checker on replica groups
 # ----------------------------------------------------------------------------------------------------
 
-# The result type may be a tuple whose listing holds "/*index=5*/" comments: take all up to the op name.
-_OP = re.compile(r"^\s*\S+ = (?P<type>.*?) (?P<op>all-gather|all-reduce)(?:-start)?\((?P<rest>.*)$")
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
     r"(?:, device_ids=\(\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))? \{(?P<reduced>[^}]*)\}"
@@ -105,7 +103,6 @@ _LIST_GROUPS = re.compile(r"replica_groups=\{(?P<groups>\{[\d,]*\}(?:,\{[\d,]*\}
 _IOTA_GROUPS = re.compile(
     r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
 )
-SHAPE = re.compile(r"[a-z0-9]+\[([0-9,]*)\]")
 
 
 def _ints(text: str) -> list[int]:
@@ -139,14 +136,12 @@ def replica_groups(rest: str) -> set[frozenset[int]] | None:
 
 def collectives(hlo_text: str) -> list[tuple[str, tuple[int, ...], set[frozenset[int]] | None]]:
     """(op, result shape, device groups) of every all-reduce / all-gather (tuple results give several)."""
-    found = []
-    for line in hlo_text.splitlines():
-        if (m := _OP.search(line)) is None:
-            continue
-        groups = replica_groups(m.group("rest"))
-        for dims in SHAPE.findall(m.group("type")):
-            found.append((m.group("op"), tuple(_ints(dims)), groups))
-    return found
+    return [
+        (op, shape, replica_groups(rest))
+        for op, shapes, rest in collective_ops(hlo_text)
+        if op in ("all-reduce", "all-gather")
+        for shape in shapes
+    ]
 
 
 def dims_key(shape: tuple[int, ...]) -> tuple[int, ...]:
