@@ -206,6 +206,7 @@ def test_weight_gather_checker_sees_a_gathered_target_weight(tiny_model):
 @pytest.mark.parametrize("shape", [(4, 2), (8, 1)])
 def test_mesh_losses_match_one_device(tiny_model, store, one_device, step_args, tmp_path, method, shape):
     import jax
+    from jax.sharding import PartitionSpec as P
 
     expected = one_device(method)
     result = run(tiny_model, store, method, shape, tmp_path / "run")
@@ -217,17 +218,30 @@ def test_mesh_losses_match_one_device(tiny_model, store, one_device, step_args, 
     trainable, opt_state, fixed, batch, _ = step_args["args"]
     # The target placed by the inference rules table: vocabulary over "model" (of size 1 on 8x1).
     assert fixed["target"]["embed_tokens"]["embedding"][...].sharding.spec[0] == "model"
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(trainable))
+    # The head replicated, but for EAGLE-3's draft LM head [d, V_draft]: vocabulary over "model" by the
+    # same rules table (where "model" has more than one device), its optimizer moments alike.
+    head = trainable["head"]
+    sharded = [x for x in jax.tree.leaves(head) if not x.sharding.is_fully_replicated]
+    if method == "eagle3" and shape[1] > 1:
+        kernel = head["lm_head"]["kernel"][...]
+        assert kernel.sharding.spec == P(None, "model") and sharded == [kernel]
+        moments = [x for x in jax.tree.leaves(opt_state) if not x.sharding.is_fully_replicated]
+        assert [(x.shape, x.sharding.spec) for x in moments] == [(kernel.shape, P(None, "model"))] * 2
+    else:
+        assert sharded == []
     assert batch["tokens"].sharding.spec[0] == "data"
     hlo = step_args["step"].lower(*step_args["args"]).compile().as_text()
-    # The head's gradients are averaged inside the step: every head parameter's shape (`dims_key`) is
-    # among the results of the all-reduces over the data axis (batched into tuple all-reduces).
+    # The head's gradients are averaged inside the step: every head parameter's per-device shape
+    # (`dims_key`) is among the results of the all-reduces over the data axis (batched into tuple
+    # all-reduces).
     over_data = {
         s for op, s, groups in collectives(hlo) if op == "all-reduce" and groups == data_axis_groups(shape)
     }
-    head_shapes = {dims_key(x.shape) for x in jax.tree.leaves(trainable["head"]) if x.ndim}
+    head_shapes = {dims_key(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(head) if x.ndim}
     assert head_shapes <= over_data, head_shapes - over_data
+    # No all-gather of a sharded target weight, nor of the vocabulary-sharded draft LM head.
     assert weight_gathers(hlo, fixed["target"]) == []
+    assert weight_gathers(hlo, head) == []
     assert collective_shapes(hlo)  # the shared checker sees the step's collectives too
 
     entry = result.metrics[-1]
