@@ -447,7 +447,9 @@ def test_two_processes_extract_train_and_export_on_one_global_mesh(tiny, rows, s
     np.testing.assert_allclose(losses(pair), losses(single), rtol=RTOL)
     # The head: written by process 0 only, complete before process 1 returned, loads on one device.
     assert [("saved mtp head" in log) for log in logs] == [True, False]
-    assert json.loads((pair / "head" / "training.json").read_text())["steps"] == 10
+    info = json.loads((pair / "head" / "training.json").read_text())
+    assert info["steps"] == 10 and info["mesh"] == "2x4"
+    assert info["throughput"]["devices"] == 8 and info["throughput"]["tokens_per_s_per_device"] > 0
     exported, expected = load_saved_head(pair / "head"), load_saved_head(single / "head")
     import jax
 

@@ -25,6 +25,7 @@ forward runs every step instead of once); see `jaxspec.train.trainer` and the me
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -283,7 +284,8 @@ def write_features(
         )  # fmt: skip
 
     if primary:  # creates it when missing; the others open it once it exists
-        open_store()
+        with contextlib.suppress(ValueError):  # a layout mismatch: raised below by every process alike
+            open_store()
     barrier("features/created")
     store = open_store()
     done = set(store.meta["ids"])
