@@ -56,7 +56,7 @@ def step_args(monkeypatch):
     return recorded
 
 
-def run(tiny_model, store, method, shape, run_dir, *, stop_after=None, resume=False):
+def run(tiny_model, store, method, shape, run_dir, *, stop_after=None, resume=False, online=False):
     from jaxspec.train.head_setup import head_config_for, new_head
     from jaxspec.train.losses import Objective
     from jaxspec.train.trainer import TrainConfig, split_trainable, train
@@ -73,7 +73,7 @@ def run(tiny_model, store, method, shape, run_dir, *, stop_after=None, resume=Fa
     return train(
         objective, {"head": trainable}, {"target": tiny_model.params, "head_fixed": head_fixed}, store,
         run_dir, train_config, progress=False, mesh=None if shape is None else make_mesh(*shape),
-        stop_after=stop_after, resume=resume,
+        stop_after=stop_after, resume=resume, online=online,
     )  # fmt: skip
 
 
@@ -248,6 +248,23 @@ def test_mesh_losses_match_one_device(tiny_model, store, one_device, step_args, 
     assert entry["devices"] == 8
     np.testing.assert_allclose(entry["tokens_per_s_per_device"] * 8, entry["tokens_per_s"], rtol=1e-9)
     assert entry["step_s"] > 0 and result.throughput["mesh"] == f"{shape[0]}x{shape[1]}"
+
+
+@pytest.mark.slow
+def test_online_features_on_the_mesh_give_the_offline_one_device_loss(tiny_model, rows, one_device, step_args,
+                                                                      tmp_path):  # fmt: skip
+    """--feature-mode online on a 4x2 mesh: the sharded target runs inside the step, without gathering
+    its weights; the losses are the offline one-device run's (its features come from the same target)."""
+    from jaxspec.train.cli import OnlineSource
+
+    expected = one_device("eagle3")[:5]  # before the mesh run: `step_args` records the latest step
+    result = run(tiny_model, OnlineSource(rows, 32), "eagle3", (4, 2), tmp_path / "run", stop_after=5,
+                 online=True)  # fmt: skip
+    np.testing.assert_allclose([e["loss"] for e in result.metrics], expected, rtol=1e-4)
+    trainable, opt_state, fixed, batch, _ = step_args["args"]
+    assert "hidden" not in batch and fixed["empty_cache"].keys[0].sharding.spec[0] == "data"
+    hlo = step_args["step"].lower(*step_args["args"]).compile().as_text()
+    assert weight_gathers(hlo, fixed["target"]) == [] and weight_gathers(hlo, trainable["head"]) == []
 
 
 def test_batch_not_divisible_by_the_data_axis_is_a_clear_error(tiny_model, store, tmp_path):
