@@ -92,3 +92,14 @@ def to_host(tree: Any) -> Any:
         return jax.device_get(x)
 
     return jax.tree.map(fetch, tree)
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (a no-op with one process). `name` must be the
+    same on every process and unique per call site and round (e.g. "features/commit/3")."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

@@ -256,19 +256,49 @@ def test_attention_runs_per_shard_and_matches_unsharded(impl):
 # Compiled program: no collective moves the KV cache
 # ----------------------------------------------------------------------------------------------------
 
+# One HLO instruction per line: `[ROOT ]name = TYPE op(operands), attributes`. TYPE is a shape or a tuple
+# of any arity, whose listing holds "/*index=5*/"-style comments (with "=") every five results: take
+# everything between the instruction's "=" and the op name. `-start` is an async collective's first half
+# (its `-done` is not counted again).
 COLLECTIVE = re.compile(
-    r"=\s*(?P<type>\(?[^=]*?)\s(?P<op>all-gather|all-to-all|collective-permute|all-reduce)(?:-start)?\("
+    r"^\s*(?:ROOT\s+)?\S+ = (?P<type>.*?) "
+    r"(?P<op>all-gather|all-to-all|collective-permute|all-reduce)(?:-start)?\((?P<rest>.*)$",
+    re.MULTILINE,
 )
 SHAPE = re.compile(r"[a-z0-9]+\[([0-9,]*)\]")
 
 
-def collective_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(op, result shape) of every collective in compiled HLO text (tuple results give several)."""
+def collective_ops(hlo_text: str) -> list[tuple[str, list[tuple[int, ...]], str]]:
+    """(op, result shapes, the rest of the line: operands and attributes) of every collective in
+    compiled HLO text; a tuple result gives all its shapes, whatever its arity."""
     found = []
     for m in COLLECTIVE.finditer(hlo_text):
-        for dims in SHAPE.findall(m.group("type")):
-            found.append((m.group("op"), tuple(int(d) for d in dims.split(",") if d)))
+        shapes = [tuple(int(d) for d in dims.split(",") if d) for dims in SHAPE.findall(m.group("type"))]
+        found.append((m.group("op"), shapes, m.group("rest")))
     return found
+
+
+def collective_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(op, result shape) of every collective in compiled HLO text (tuple results give several)."""
+    return [(op, shape) for op, shapes, _ in collective_ops(hlo_text) for shape in shapes]
+
+
+def test_collective_parser_reads_tuple_results_of_any_arity():
+    """XLA combines the data-axis reductions into one tuple all-reduce; past five results its type
+    listing holds "/*index=5*/" comments. Every result shape must be seen (7 here), and the hand-written
+    line pins a 12-result tuple (comments at 5 and 10)."""
+    mesh = make_mesh(8, 1)
+    arrays = [jax.device_put(jnp.ones((8, k + 2)), NamedSharding(mesh, P("data"))) for k in range(7)]
+    summed = jax.jit(lambda xs: [x.sum(0) for x in xs], out_shardings=NamedSharding(mesh, P()))
+    hlo = summed.lower(arrays).compile().as_text()
+    assert "/*index=5*/" in hlo
+    assert sorted(s for op, s in collective_shapes(hlo) if op == "all-reduce") == [(k + 2,) for k in range(7)]
+    results = ", ".join((f"/*index={i}*/" if i % 5 == 0 and i else "") + f"f32[{i + 1},3]{{1,0}}"
+                        for i in range(12))  # fmt: skip
+    line = f"  ROOT %all-reduce.9 = ({results}) all-reduce(%a), channel_id=1, replica_groups={{{{0,1}}}}"
+    assert collective_shapes("%p = f32[2]{0} parameter(0)\n" + line) == [
+        ("all-reduce", (i + 1, 3)) for i in range(12)
+    ]
 
 
 def cache_collectives(hlo_text: str, max_len: int) -> list[tuple[str, tuple[int, ...]]]:

@@ -19,7 +19,7 @@ import pytest
 from jaxspec.sharding import make_mesh
 from jaxspec.train import trainer
 from tests import test_train as one_device_tests
-from tests.test_sharding import collective_shapes
+from tests.test_sharding import collective_ops, collective_shapes
 from tests.test_train import REPO, _env
 
 # The tiny target (4 query heads, 2 kv heads: attention sharded on model=2), its self-distilled rows and
@@ -56,7 +56,7 @@ def step_args(monkeypatch):
     return recorded
 
 
-def run(tiny_model, store, method, shape, run_dir, *, stop_after=None, resume=False):
+def run(tiny_model, store, method, shape, run_dir, *, stop_after=None, resume=False, online=False):
     from jaxspec.train.head_setup import head_config_for, new_head
     from jaxspec.train.losses import Objective
     from jaxspec.train.trainer import TrainConfig, split_trainable, train
@@ -73,7 +73,7 @@ def run(tiny_model, store, method, shape, run_dir, *, stop_after=None, resume=Fa
     return train(
         objective, {"head": trainable}, {"target": tiny_model.params, "head_fixed": head_fixed}, store,
         run_dir, train_config, progress=False, mesh=None if shape is None else make_mesh(*shape),
-        stop_after=stop_after, resume=resume,
+        stop_after=stop_after, resume=resume, online=online,
     )  # fmt: skip
 
 
@@ -95,8 +95,6 @@ def one_device(tiny_model, store, tmp_path_factory):
 # The collective checker on replica groups
 # ----------------------------------------------------------------------------------------------------
 
-# The result type may be a tuple whose listing holds "/*index=5*/" comments: take all up to the op name.
-_OP = re.compile(r"^\s*\S+ = (?P<type>.*?) (?P<op>all-gather|all-reduce)(?:-start)?\((?P<rest>.*)$")
 _MESH_GROUPS = re.compile(
     r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
     r"(?:, device_ids=\(\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))? \{(?P<reduced>[^}]*)\}"
@@ -105,7 +103,6 @@ _LIST_GROUPS = re.compile(r"replica_groups=\{(?P<groups>\{[\d,]*\}(?:,\{[\d,]*\}
 _IOTA_GROUPS = re.compile(
     r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
 )
-SHAPE = re.compile(r"[a-z0-9]+\[([0-9,]*)\]")
 
 
 def _ints(text: str) -> list[int]:
@@ -139,14 +136,12 @@ def replica_groups(rest: str) -> set[frozenset[int]] | None:
 
 def collectives(hlo_text: str) -> list[tuple[str, tuple[int, ...], set[frozenset[int]] | None]]:
     """(op, result shape, device groups) of every all-reduce / all-gather (tuple results give several)."""
-    found = []
-    for line in hlo_text.splitlines():
-        if (m := _OP.search(line)) is None:
-            continue
-        groups = replica_groups(m.group("rest"))
-        for dims in SHAPE.findall(m.group("type")):
-            found.append((m.group("op"), tuple(_ints(dims)), groups))
-    return found
+    return [
+        (op, shape, replica_groups(rest))
+        for op, shapes, rest in collective_ops(hlo_text)
+        if op in ("all-reduce", "all-gather")
+        for shape in shapes
+    ]
 
 
 def dims_key(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -211,6 +206,7 @@ def test_weight_gather_checker_sees_a_gathered_target_weight(tiny_model):
 @pytest.mark.parametrize("shape", [(4, 2), (8, 1)])
 def test_mesh_losses_match_one_device(tiny_model, store, one_device, step_args, tmp_path, method, shape):
     import jax
+    from jax.sharding import PartitionSpec as P
 
     expected = one_device(method)
     result = run(tiny_model, store, method, shape, tmp_path / "run")
@@ -222,23 +218,53 @@ def test_mesh_losses_match_one_device(tiny_model, store, one_device, step_args, 
     trainable, opt_state, fixed, batch, _ = step_args["args"]
     # The target placed by the inference rules table: vocabulary over "model" (of size 1 on 8x1).
     assert fixed["target"]["embed_tokens"]["embedding"][...].sharding.spec[0] == "model"
-    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(trainable))
+    # The head replicated, but for EAGLE-3's draft LM head [d, V_draft]: vocabulary over "model" by the
+    # same rules table (where "model" has more than one device), its optimizer moments alike.
+    head = trainable["head"]
+    sharded = [x for x in jax.tree.leaves(head) if not x.sharding.is_fully_replicated]
+    if method == "eagle3" and shape[1] > 1:
+        kernel = head["lm_head"]["kernel"][...]
+        assert kernel.sharding.spec == P(None, "model") and sharded == [kernel]
+        moments = [x for x in jax.tree.leaves(opt_state) if not x.sharding.is_fully_replicated]
+        assert [(x.shape, x.sharding.spec) for x in moments] == [(kernel.shape, P(None, "model"))] * 2
+    else:
+        assert sharded == []
     assert batch["tokens"].sharding.spec[0] == "data"
     hlo = step_args["step"].lower(*step_args["args"]).compile().as_text()
-    # The head's gradients are averaged inside the step: every head parameter's shape (`dims_key`) is
-    # among the results of the all-reduces over the data axis (batched into tuple all-reduces).
+    # The head's gradients are averaged inside the step: every head parameter's per-device shape
+    # (`dims_key`) is among the results of the all-reduces over the data axis (batched into tuple
+    # all-reduces).
     over_data = {
         s for op, s, groups in collectives(hlo) if op == "all-reduce" and groups == data_axis_groups(shape)
     }
-    head_shapes = {dims_key(x.shape) for x in jax.tree.leaves(trainable["head"]) if x.ndim}
+    head_shapes = {dims_key(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(head) if x.ndim}
     assert head_shapes <= over_data, head_shapes - over_data
+    # No all-gather of a sharded target weight, nor of the vocabulary-sharded draft LM head.
     assert weight_gathers(hlo, fixed["target"]) == []
+    assert weight_gathers(hlo, head) == []
     assert collective_shapes(hlo)  # the shared checker sees the step's collectives too
 
     entry = result.metrics[-1]
     assert entry["devices"] == 8
     np.testing.assert_allclose(entry["tokens_per_s_per_device"] * 8, entry["tokens_per_s"], rtol=1e-9)
     assert entry["step_s"] > 0 and result.throughput["mesh"] == f"{shape[0]}x{shape[1]}"
+
+
+@pytest.mark.slow
+def test_online_features_on_the_mesh_give_the_offline_one_device_loss(tiny_model, rows, one_device, step_args,
+                                                                      tmp_path):  # fmt: skip
+    """--feature-mode online on a 4x2 mesh: the sharded target runs inside the step, without gathering
+    its weights; the losses are the offline one-device run's (its features come from the same target)."""
+    from jaxspec.train.cli import OnlineSource
+
+    expected = one_device("eagle3")[:5]  # before the mesh run: `step_args` records the latest step
+    result = run(tiny_model, OnlineSource(rows, 32), "eagle3", (4, 2), tmp_path / "run", stop_after=5,
+                 online=True)  # fmt: skip
+    np.testing.assert_allclose([e["loss"] for e in result.metrics], expected, rtol=1e-4)
+    trainable, opt_state, fixed, batch, _ = step_args["args"]
+    assert "hidden" not in batch and fixed["empty_cache"].keys[0].sharding.spec[0] == "data"
+    hlo = step_args["step"].lower(*step_args["args"]).compile().as_text()
+    assert weight_gathers(hlo, fixed["target"]) == [] and weight_gathers(hlo, trainable["head"]) == []
 
 
 def test_batch_not_divisible_by_the_data_axis_is_a_clear_error(tiny_model, store, tmp_path):
@@ -253,6 +279,47 @@ def test_batch_not_divisible_by_the_data_axis_is_a_clear_error(tiny_model, store
     with pytest.raises(ValueError, match=r"batch size 6 \(--batch-size\).*data axis 4 \(--mesh 4x2\)"):
         train(objective, {"head": trainable}, {"target": tiny_model.params, "head_fixed": head_fixed}, store,
               tmp_path, TrainConfig(steps=2, batch_size=6), progress=False, mesh=make_mesh(4, 2))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# Feature extraction over the mesh
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_features_split_over_the_data_axis_and_each_device_row_block_written_once(
+    tiny, rows, store, tmp_path
+):
+    """On a 4x2 mesh each feature batch of 8 is cut into 4 row blocks over "data" (one per data index,
+    taken from one replica of the 2 over "model"); the store equals the one-device extraction."""
+    import jax
+    import tensorstore as ts
+
+    import jaxspec
+    from jaxspec.train.features import write_features
+
+    model = jaxspec.load(str(tiny), mesh=make_mesh(4, 2))
+    meshed = write_features(model, rows, tmp_path / "fs", max_len=32, capture_layers=(0, 1, 1), batch_size=8,
+                            progress=False)  # fmt: skip
+    assert meshed.written == [(lo, lo + 2) for lo in range(0, 32, 2)]
+    got, want = meshed.read(range(32)), store.read(range(32))
+    for name in ("tokens", "lengths", "starts", "argmax"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for name in ("hidden", "layers"):  # the sharded target: equal up to the reduction order
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-5, err_msg=name)
+    assert jax.process_count() == 1 and meshed.meta["ids"] == store.meta["ids"]
+
+    with pytest.raises(ValueError, match=r"batch size 6 \(--feature-batch\).*data axis 4"):
+        write_features(model, rows, tmp_path / "bad", max_len=32, batch_size=6, progress=False)
+
+    # A store whose chunks hold 3 rows: row blocks of 2 would share chunks between writers.
+    meshed.arrays["lengths"] = ts.open(
+        {"driver": "zarr3", "kvstore": "memory://", "metadata": {"shape": [32], "data_type": "int32",
+         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [3]}}}}, create=True,
+    ).result()  # fmt: skip
+    with pytest.raises(ValueError, match=r"lengths has chunks of 3 rows; rows \[0, 2\) of process 0"):
+        meshed.check_own_chunks(0, 2, 32)
+    meshed.check_own_chunks(3, 9, 32)
+    meshed.check_own_chunks(30, 32, 32)  # the session's last rows end its last chunk
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -312,7 +379,8 @@ def start_two_processes(command: list[str], **popen) -> list[subprocess.Popen]:
     """`command` as processes 0 and 1 of one jax.distributed run over loopback, 4 CPU devices each."""
     from tests.test_multihost import free_port
 
-    env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")  # fmt: skip
     flags = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     return [
         subprocess.Popen(command + flags + ["--process-id", str(i)], env=env, cwd=REPO, **popen)
@@ -321,36 +389,36 @@ def start_two_processes(command: list[str], **popen) -> list[subprocess.Popen]:
 
 
 @pytest.mark.slow
-def test_two_processes_train_on_one_global_mesh_then_export_on_one_host(tiny, rows, store, tmp_path):
-    """Two processes x 4 CPU devices (jax.distributed over loopback) train on one 2x4 mesh with the losses
-    of one process on 8 devices; the head is exported afterwards by one process from the checkpoint."""
+def test_two_processes_extract_train_and_export_on_one_global_mesh(tiny, rows, store, tmp_path):
+    """Two processes x 4 CPU devices (jax.distributed over loopback) run features, train and export on one
+    2x4 mesh, against one process on 8 devices doing the same: every process writes the feature rows its
+    own devices computed (no chunk written by both), the store is complete and identical, the losses
+    match, and process 0 alone writes the head while process 1 waits for it."""
     from jaxspec.train.distill import append_jsonl_rows
     from jaxspec.train.export import load_saved_head
+    from jaxspec.train.features import FeatureStore
 
     def workdir(name):
         d = tmp_path / name
         d.mkdir()
         append_jsonl_rows(d / "distill.jsonl", rows)
-        shutil.copytree(store.path, d / "features")
         return d
 
-    def command(d, *extra):
+    def command(d):
         return [
             sys.executable, "-m", "jaxspec.cli", "train", "--method", "mtp", "--model", str(tiny),
             "--workdir", str(d), "--steps", "10", "--batch-size", "8", "--depth", "2", "--num-positions", "8",
-            "--max-len", "32", "--log-every", "1", "--save-dtype", "float32", "--no-progress", *extra,
+            "--max-len", "32", "--log-every", "1", "--save-dtype", "float32", "--no-progress",
+            "--stages", "features,train,export", "--mesh", "2x4", "--feature-batch", "8",
+            "--output", str(d / "head"),
         ]  # fmt: skip
 
     single, pair = workdir("single"), workdir("pair")
     env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    done = subprocess.run(command(single, "--stages", "train", "--mesh", "2x4"), env=env, cwd=REPO,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(command(single), env=env, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    procs = start_two_processes(
-        command(pair, "--stages", "train", "--mesh", "2x4"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    procs = start_two_processes(command(pair), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
     finally:
@@ -360,17 +428,50 @@ def test_two_processes_train_on_one_global_mesh_then_export_on_one_host(tiny, ro
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
 
+    # Feature rows: on a 2x4 mesh process 0 holds the data shard of rows 0-3 of every batch of 8, process
+    # 1 rows 4-7; each wrote exactly those (tokens and all) and the store's chunks are one row each, so
+    # no chunk had two writers.
+    written = {}
+    for log in logs:
+        line = next(line for line in log.splitlines() if line.startswith('{"features_written"'))
+        entry = json.loads(line)["features_written"]
+        written[entry["process"]] = [tuple(r) for r in entry["rows"]]
+    assert written == {p: [(b + 4 * p, b + 4 * p + 4) for b in range(0, 32, 8)] for p in (0, 1)}
+    features = FeatureStore.open(pair / "features")
+    assert {a.chunk_layout.write_chunk.shape[0] for a in features.arrays.values()} == {1}
+    reference = FeatureStore.open(single / "features")
+    assert features.num_sequences == reference.num_sequences == len(rows)
+    assert features.meta["ids"] == reference.meta["ids"]
+    got, want = features.read(range(len(rows))), reference.read(range(len(rows)))
+    assert set(got) == set(want) == {"tokens", "lengths", "starts", "hidden", "layers", "argmax"}
+    # Token ids, lengths and the target's argmax are identical. The features are the same program's on the
+    # same mesh up to the reduction order of the model-axis all-reduces (gloo across two processes, XLA's
+    # in-process collectives in one): measured max |difference| 1e-6 (a few float32 ulps).
+    for name in ("tokens", "lengths", "starts", "argmax"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for name in ("hidden", "layers"):
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-5, err_msg=name)
+    # And the one-device store of the same rows (captured layers differ there: (0, 1, 1) vs the CLI's).
+    one = store.read(range(len(rows)))
+    for name in ("tokens", "lengths", "starts", "argmax"):
+        np.testing.assert_array_equal(got[name], one[name], err_msg=name)
+    np.testing.assert_allclose(got["hidden"], one["hidden"], rtol=0, atol=1e-5)
+
     def losses(d):
         return [json.loads(line)["loss"] for line in (d / "run_mtp" / "metrics.jsonl").open()]
 
     assert len(losses(pair)) == 10  # one process wrote the log
     np.testing.assert_allclose(losses(pair), losses(single), rtol=RTOL)
-    # Export on one host, one device: the checkpoint of the two-process mesh restores there.
-    done = subprocess.run(command(pair, "--stages", "export", "--output", str(pair / "head")), env=_env(),
-                          cwd=REPO, capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((pair / "head" / "training.json").read_text())["steps"] == 10
-    assert load_saved_head(pair / "head").config.num_modules == 1
+    # The head: written by process 0 only, complete before process 1 returned, loads on one device.
+    assert [("saved mtp head" in log) for log in logs] == [True, False]
+    info = json.loads((pair / "head" / "training.json").read_text())
+    assert info["steps"] == 10 and info["mesh"] == "2x4"
+    assert info["throughput"]["devices"] == 8 and info["throughput"]["tokens_per_s_per_device"] > 0
+    exported, expected = load_saved_head(pair / "head"), load_saved_head(single / "head")
+    import jax
+
+    for x, y in zip(jax.tree.leaves(exported.params), jax.tree.leaves(expected.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.slow

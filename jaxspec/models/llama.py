@@ -61,7 +61,12 @@ class Projection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.weight[...]
-        y = rows_times(weight.reshape(-1, weight.shape[-1]), x).reshape(*x.shape[:-1], *self.out_shape)
+        if weight.ndim == 2:
+            y = rows_times(weight, x)
+        else:  # no reshape of the weight: merging a sharded inner dimension (gate_up's f) would gather it
+            k = weight.ndim - 1  # [*out, in] . [..., in] -> [*out, ...] -> [..., *out]
+            y = jax.lax.dot_general(weight, x.astype(weight.dtype), (((k,), (x.ndim - 1,)), ((), ())))
+            y = jnp.moveaxis(y, tuple(range(k)), tuple(range(x.ndim - 1, x.ndim - 1 + k)))
         if hasattr(self, "bias"):
             y = y + self.bias[...]
         return y

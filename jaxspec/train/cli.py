@@ -171,6 +171,7 @@ def _magpie_rows(args: argparse.Namespace, model, folder: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import jax
     import numpy as np
 
     import jaxspec
@@ -185,15 +186,14 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     output = Path(args.output or workdir / f"head_{args.method}")
     progress = not args.no_progress
-    from jaxspec.distributed import initialize_from_args
+    from jaxspec.distributed import barrier, initialize_from_args
 
-    if initialize_from_args(args) and stages != ["train"]:
-        import jax
-
+    multi = initialize_from_args(args)
+    if multi and ("distill" in stages or not args.mesh):
         if jax.process_index() == 0:
-            print("jaxspec train: with several processes only --stages train runs (on the global mesh); run "
-                  "distill and features once on one host before, and export on one host after (it restores "
-                  "the last checkpoint onto one device)", file=sys.stderr)  # fmt: skip
+            print("jaxspec train: with several processes the features, train and export stages run on one "
+                  "global --mesh DATAxMODEL (every process writes its own feature rows, process 0 the head); "
+                  "run --stages distill once on one host before", file=sys.stderr)  # fmt: skip
         return 2
     mesh = None
     if args.mesh:
@@ -204,10 +204,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"jaxspec train: --mesh {args.mesh}: {error}", file=sys.stderr)
             return 2
-        if args.batch_size % mesh.shape["data"]:
-            print(f"jaxspec train: --batch-size {args.batch_size} is not a multiple of the data axis of "
-                  f"--mesh {args.mesh}", file=sys.stderr)  # fmt: skip
-            return 2
+        for flag, value in (("--batch-size", args.batch_size), ("--feature-batch", args.feature_batch)):
+            if value % mesh.shape["data"]:
+                print(f"jaxspec train: {flag} {value} is not a multiple of the data axis of --mesh "
+                      f"{args.mesh}", file=sys.stderr)  # fmt: skip
+                return 2
     model = jaxspec.load(args.model, mesh=mesh)
     timings: dict[str, float] = {}
 
@@ -255,11 +256,19 @@ def run(args: argparse.Namespace) -> int:
     store_path = workdir / "features"
     if "features" in stages and args.feature_mode == "offline":
         t0 = time.perf_counter()
-        write_features(
+        store = write_features(
             model, rows, store_path, max_len=args.max_len, capture_layers=capture,
             batch_size=args.feature_batch, progress=progress,
         )  # fmt: skip
         timings["features_s"] = time.perf_counter() - t0
+        if multi:  # which rows this process wrote (merged ranges [lo, hi) of the store)
+            ranges: list[list[int]] = []
+            for lo, hi in sorted(store.written):
+                if ranges and ranges[-1][1] == lo:
+                    ranges[-1][1] = hi
+                else:
+                    ranges.append([lo, hi])
+            print(json.dumps({"features_written": {"process": jax.process_index(), "rows": ranges}}))
 
     result = None
     head = None
@@ -275,12 +284,15 @@ def run(args: argparse.Namespace) -> int:
         draft_ids = None
         if args.method == "eagle3":  # fixed at the first run: more data later must not change it
             vocab_file = workdir / f"run_{args.method}" / "draft_vocab.npy"
-            if vocab_file.exists():
+            exists = vocab_file.exists()
+            barrier("train/draft-vocab-checked")  # every process decides alike before process 0 writes it
+            if exists:
                 draft_ids = np.load(vocab_file)
-            else:
+            else:  # the same ids on every process; one writes them
                 draft_ids = draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
                 vocab_file.parent.mkdir(parents=True, exist_ok=True)
-                np.save(vocab_file, draft_ids)
+                if not multi or jax.process_index() == 0:
+                    np.save(vocab_file, draft_ids)
         head = new_head(config, seed=args.seed, draft_ids=draft_ids)
         if args.init_from_target != "none":
             from jaxspec.train.head_setup import init_from_target
@@ -338,11 +350,16 @@ def run(args: argparse.Namespace) -> int:
             "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
             "mesh": args.mesh or "1x1", "throughput": result.throughput,
         }  # fmt: skip
-        # Host copies: the exported head loads on one device whatever mesh trained it.
+        # Host copies (every process takes part in gathering them): the exported head loads on one
+        # device whatever mesh trained it. Process 0 writes it; the others wait until it is complete.
         params = nnx.merge_state(to_host(result.trainable["head"]), to_host(head_fixed))
         curves = workdir / f"run_{args.method}" / "curves.png"
-        save_head(output, head.config, head.graphdef, params, dtype=args.save_dtype, info=info, curves=curves)
-        print(f"saved {args.method} head to {output}")
+        if not multi or jax.process_index() == 0:
+            save_head(
+                output, head.config, head.graphdef, params, dtype=args.save_dtype, info=info, curves=curves
+            )
+            print(f"saved {args.method} head to {output}")
+        barrier("export/saved")
     return 0
 
 

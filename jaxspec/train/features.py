@@ -13,12 +13,19 @@ Chunks are one sequence each, so appending is a metadata resize plus new chunk f
 replaced atomically after every batch's writes have completed: rows past num_committed (a batch in
 flight when the writer was killed) are ignored and rewritten on resume; nothing committed is lost.
 
+On a mesh (`jaxspec.load(..., mesh=...)`) each feature batch is split over the "data" axis and the
+target runs sharded by the rules table; with several processes (`jax.distributed`) every process writes
+the rows its own devices computed (tokens and all), so no process writes another's chunk: process 0
+creates and resizes the arrays and commits `meta.json`, between barriers, and one-sequence chunks mean
+any row split is chunk-aligned (checked against the arrays' actual chunk layout before each write).
+
 Online mode: `target_features` is a pure function usable inside a jitted train step (the target
 forward runs every step instead of once); see `jaxspec.train.trainer` and the measurement in the README.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,11 +38,14 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from jaxspec.cache import KVCache
 from jaxspec.config import ModelConfig
+from jaxspec.distributed import barrier
 from jaxspec.forward import causal_mask, lm_logits, model_forward
+from jaxspec.sharding import DEFAULT_RULES, cache_shardings, place_batch, put_sharded
 
 META = "meta.json"
 
@@ -119,6 +129,7 @@ class FeatureStore:
     path: Path
     meta: dict
     arrays: dict[str, ts.TensorStore]
+    written: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # rows [lo, hi) written here
 
     @property
     def num_sequences(self) -> int:
@@ -166,22 +177,46 @@ class FeatureStore:
         arrays = {name: ts.open(_spec(path, name, "", (), False)).result() for name in names}
         return cls(path=path, meta=meta, arrays=arrays)
 
-    def append(self, ids: Sequence[str], batch: dict[str, np.ndarray]) -> None:
-        """Write rows [num_committed, num_committed + B) of every array, then commit them."""
-        start, b = self.num_sequences, len(ids)
-        futures = []
+    def reserve(self, rows: int) -> None:
+        """Grow every array to at least `rows` rows (a metadata write: one process does it)."""
         for name, array in self.arrays.items():
-            if array.shape[0] < start + b:
-                array = array.resize(exclusive_max=[start + b, *array.shape[1:]], expand_only=True).result()
-                self.arrays[name] = array
+            if array.shape[0] < rows:
+                self.arrays[name] = array.resize(
+                    exclusive_max=[rows, *array.shape[1:]], expand_only=True
+                ).result()
+
+    def reopen(self) -> None:
+        """Re-read the arrays' metadata (after another process resized them)."""
+        self.arrays = type(self).open(self.path).arrays
+
+    def check_own_chunks(self, lo: int, hi: int, end: int) -> None:
+        """Raise unless rows [lo, hi) cover whole chunks of every array (or end at `end`, the last row
+        of this writing session): then no other process's rows share a chunk with them."""
+        for name, array in self.arrays.items():
+            rows = array.chunk_layout.write_chunk.shape[0]
+            if lo % rows or (hi % rows and hi != end):
+                raise ValueError(
+                    f"feature store {self.path}: {name} has chunks of {rows} rows; rows [{lo}, {hi}) of "
+                    f"process {jax.process_index()} would share a chunk with another writer's rows"
+                )
+
+    def write_rows(self, lo: int, values: dict[str, np.ndarray]) -> list[ts.WriteFutures]:
+        """Start writing rows [lo, lo + n) of the named arrays (every value [n, ...]); the futures."""
+        futures = []
+        for name, value in values.items():
+            array = self.arrays[name]
             futures.append(
-                array[start : start + b].write(np.asarray(batch[name]).astype(array.dtype.numpy_dtype))
+                array[lo : lo + len(value)].write(np.asarray(value).astype(array.dtype.numpy_dtype))
             )
-        for f in futures:
-            f.result()
-        self.meta["num_committed"] = start + b
+        return futures
+
+    def commit(self, ids: Sequence[str], *, write: bool = True) -> None:
+        """Rows [num_committed, num_committed + len(ids)) are complete: record them in meta.json
+        (`write=False`: only in memory, for the processes that do not own the file)."""
+        self.meta["num_committed"] = self.num_sequences + len(ids)
         self.meta["ids"] = list(self.meta["ids"]) + list(ids)
-        _write_meta(self.path, self.meta)
+        if write:
+            _write_meta(self.path, self.meta)
 
     def read(self, indices: Sequence[int], names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Rows `indices` of the named arrays (default all) as numpy arrays [len(indices), ...]."""
@@ -202,6 +237,20 @@ def _write_meta(path: Path, meta: dict) -> None:
     os.replace(tmp, path / META)
 
 
+def local_row_blocks(array: jax.Array) -> list[tuple[int, int, np.ndarray]]:
+    """(lo, hi, rows [hi - lo, ...]) of a global array [B, ...] sharded by rows only: the blocks held by
+    this process's devices, each block taken once in the whole run (from its replica 0)."""
+    blocks = {}
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        lo, hi, _ = (shard.index[0] if shard.index else slice(None)).indices(array.shape[0])
+        if tuple(shard.data.shape[1:]) != tuple(array.shape[1:]):
+            raise ValueError(f"local_row_blocks: {array.sharding} splits more than the rows")
+        blocks[(lo, hi)] = shard.data
+    return [(lo, hi, np.asarray(data)) for (lo, hi), data in sorted(blocks.items())]
+
+
 def write_features(
     model,
     rows: Sequence[dict],
@@ -216,32 +265,72 @@ def write_features(
     """Run the target over distill `rows` and append their features to the store at `path`.
 
     Resumable: rows already committed (by id, in order) are skipped. Returns the open store.
+    On a mesh (`model.mesh`), each batch of `batch_size` rows (a multiple of the "data" axis) is split
+    over "data"; with several processes every process calls this with the same arguments and writes its
+    own devices' rows (`FeatureStore.written` lists them).
     """
-    store = FeatureStore.open_or_create(
-        path,
-        max_len=max_len,
-        hidden_size=model.config.hidden_size,
-        capture_layers=capture_layers,
-        dtype=dtype,
-    )
+    mesh = getattr(model, "mesh", None)
+    if mesh is not None and batch_size % mesh.shape[DEFAULT_RULES.batch]:
+        raise ValueError(
+            f"write_features: batch size {batch_size} (--feature-batch) is not a multiple of the mesh's "
+            f"{DEFAULT_RULES.batch} axis {mesh.shape[DEFAULT_RULES.batch]}: every data shard needs whole rows"
+        )
+    primary = jax.process_index() == 0
+
+    def open_store() -> FeatureStore:
+        return FeatureStore.open_or_create(
+            path, max_len=max_len, hidden_size=model.config.hidden_size, capture_layers=capture_layers,
+            dtype=dtype,
+        )  # fmt: skip
+
+    if primary:  # creates it when missing; the others open it once it exists
+        with contextlib.suppress(ValueError):  # a layout mismatch: raised below by every process alike
+            open_store()
+    barrier("features/created")
+    store = open_store()
     done = set(store.meta["ids"])
     todo = [r for r in rows if r["id"] not in done]
+    end = store.num_sequences + len(todo)
+    if primary:
+        store.reserve(end)
+    barrier("features/reserved")
+    store.reopen()
     empty = KVCache.zeros(model.config, batch_size, max_len, model.dtype)
+    compute = _jit_features_and_argmax
+    if mesh is not None:
+        empty = jax.tree.map(lambda x, s: put_sharded(np.asarray(x), s), empty, cache_shardings(empty, mesh))
+        compute = jax.jit(
+            target_features_and_argmax, static_argnames=("graphdef", "config", "capture_layers"),
+            out_shardings=NamedSharding(mesh, PartitionSpec(DEFAULT_RULES.batch)),
+        )  # fmt: skip
     run = functools.partial(
-        _jit_features_and_argmax, model.graphdef, model.params, config=model.config,
-        capture_layers=capture_layers, cache=empty,
-    )  # fmt: skip
-    for start in tqdm(range(0, len(todo), batch_size), desc="features", disable=not progress):
+        compute, model.graphdef, model.params, config=model.config, capture_layers=capture_layers, cache=empty
+    )
+    bar = tqdm(range(0, len(todo), batch_size), desc="features", disable=not (progress and primary))
+    for start in bar:
         chunk = todo[start : start + batch_size]
+        n, first = len(chunk), store.num_sequences
         packed = pack_sequences(chunk, max_len)
         tokens = packed["tokens"]
-        if len(chunk) < batch_size:  # keep one compiled shape
-            tokens = np.concatenate([tokens, np.zeros((batch_size - len(chunk), max_len), np.int32)])
-        hidden, layers, argmax = jax.device_get(run(jnp.asarray(tokens)))
-        packed["hidden"] = hidden[: len(chunk)]
-        if "argmax" in store.arrays:
-            packed["argmax"] = argmax[: len(chunk)]
-        if capture_layers:
-            packed["layers"] = layers[: len(chunk)]
-        store.append([r["id"] for r in chunk], packed)
+        if n < batch_size:  # keep one compiled shape
+            tokens = np.concatenate([tokens, np.zeros((batch_size - n, max_len), np.int32)])
+        tokens = place_batch(tokens, mesh) if mesh is not None else jnp.asarray(tokens)
+        hidden, layers, argmax = run(tokens)
+        outputs = {"hidden": hidden, "layers": layers, "argmax": argmax}
+        outputs = {name: local_row_blocks(outputs[name]) for name in store.arrays if name in outputs}
+        futures = []
+        for i, (lo, hi, _) in enumerate(outputs["hidden"]):
+            hi = min(hi, n)  # the padding rows past the batch are not stored
+            if lo >= hi:
+                continue
+            store.check_own_chunks(first + lo, first + hi, end)
+            values = {name: packed[name][lo:hi] for name in ("tokens", "lengths", "starts")}
+            values.update({name: blocks[i][2][: hi - lo] for name, blocks in outputs.items()})
+            futures += store.write_rows(first + lo, values)
+            store.written.append((first + lo, first + hi))
+        for f in futures:
+            f.result()
+        barrier(f"features/written/{first}")  # every process's rows are on disk: commit them
+        store.commit([r["id"] for r in chunk], write=primary)
+    barrier("features/done")  # meta.json is final for every process that reads the store next
     return store

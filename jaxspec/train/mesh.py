@@ -4,7 +4,10 @@ The shardings come from the one rules table of `jaxspec.sharding` (nothing here 
   fixed["target"]      the frozen target, sharded like an inference load (vocab / MLP / heads over
                        "model"; each device holds only its slice)
   fixed["empty_cache"] the online target forward's empty KV cache, rows over "data" like a decode cache
-  trainable["head"]    the head's parameters and their optimizer state, replicated on every device
+  trainable["head"]    the head's parameters and their optimizer state: replicated on every device, but
+                       for vocabulary-sized dimensions, sharded by the same table's "vocab" rule (EAGLE-3's
+                       draft LM head [d, V_draft] over "model"; the logits stay vocabulary-sharded and
+                       the cross entropy reduces them with small [B, L] all-reduces, no weight gather)
   trainable["backbone"] (MTP trained jointly) sharded like the target, its optimizer state alike
   batch                every per-row array [B, ...] split over "data" (B must divide by it)
 The step is one `jax.jit` with these shardings in and out: XLA partitions the global-batch loss, so the
@@ -75,15 +78,19 @@ class TrainMesh:
                 f"{self.data_size} (--mesh {self.describe()}): every data shard needs the same number of rows"
             )
 
+    @property
+    def head_rules(self) -> ShardingRules:
+        """The rules for a head's own parameters: only its vocabulary dimensions sharded (the rest is
+        small; replicated, it needs no collective in the head's forward)."""
+        return dataclasses.replace(self.rules, heads=None, kv_heads=None, mlp=None, embed=None)
+
     def place_trainable(self, trainable: dict[str, Any], target_config: ModelConfig) -> dict[str, Any]:
-        """{"head": replicated, "backbone": sharded like the target (when trained)}."""
+        """{"head": vocabulary over "model", the rest replicated; "backbone": sharded like the target}."""
         out = {}
         for name, tree in trainable.items():
-            if name == "backbone":
-                shardings = param_shardings(tree, self.mesh, config=target_config, rules=self.rules)
-                out[name] = jax.tree.map(_put, tree, shardings)
-            else:
-                out[name] = jax.tree.map(lambda x: _put(x, self.replicated), tree)
+            rules = self.rules if name == "backbone" else self.head_rules
+            shardings = param_shardings(tree, self.mesh, config=target_config, rules=rules)
+            out[name] = jax.tree.map(_put, tree, shardings)
         return out
 
     def place_opt_state(

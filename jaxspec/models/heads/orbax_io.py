@@ -20,12 +20,19 @@ FORMAT_VERSION = 1
 
 
 def save_head(head: DraftHead, directory: str | Path) -> Path:
-    """Write `head` to `directory` (created; must not hold a head already). Returns the directory."""
+    """Write `head` to `directory` (created; must not hold a head already). Returns the directory.
+
+    Host-local parameters, written by the calling process alone (in a multi-process run, one process
+    saves and the others wait: the checkpointer does not wait for them).
+    """
     directory = Path(directory).resolve()
     if (directory / OWN_FORMAT_FILE).exists():
         raise FileExistsError(f"{directory}: already holds a draft head")
     directory.mkdir(parents=True, exist_ok=True)
-    checkpointer = ocp.StandardCheckpointer()
+    me = jax.process_index()
+    checkpointer = ocp.StandardCheckpointer(
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    )
     checkpointer.save(directory / "params", head.params)
     checkpointer.wait_until_finished()
     meta = {"format_version": FORMAT_VERSION, **config_to_json(head.config)}
