@@ -269,9 +269,11 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def read_deepseek_config(directory: Path) -> DeepseekV3Config:
-    """DeepseekV3Config of `directory/config.json` (errors name the file and field)."""
-    path = Path(directory) / "config.json"
+def read_deepseek_config(path: Path) -> DeepseekV3Config:
+    """DeepseekV3Config of a config.json file or of a directory's config.json (errors name the file
+    and field)."""
+    path = Path(path)
+    path = path / "config.json" if path.is_dir() else path
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
