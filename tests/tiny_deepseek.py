@@ -78,19 +78,26 @@ def dequantize_fp8(quant: torch.Tensor, scale: torch.Tensor, block=FP8_BLOCK) ->
 
 
 def is_fp8_weight(name: str, value: torch.Tensor) -> bool:
-    """Which tensors DeepSeek-V3 stores as fp8: the 2-D linear weights of the layers but the router."""
+    """Which tensors DeepSeek-V3 stores as fp8: the 2-D linear weights of the layers but the router
+    (and the MTP layer's copies of the embedding and LM head)."""
     return (
         name.startswith("model.layers.")
         and name.endswith(".weight")
         and value.ndim == 2
         and ".mlp.gate." not in name
+        and not name.endswith(("embed_tokens.weight", "shared_head.head.weight"))
     )
 
 
 def save_deepseek(
-    model: torch.nn.Module, directory: Path, *, fp8: bool = False, mtp: dict | None = None, shards: int = 2
+    model: torch.nn.Module,
+    directory: Path,
+    *,
+    fp8: bool = False,
+    mtp: tuple[dict, dict] | None = None,
+    shards: int = 2,
 ) -> None:
-    """Write `model` (and optional MTP-layer tensors, HF names) in DeepSeek-V3's layout: config.json,
+    """Write `model` (and the optional MTP layer `tiny_mtp_layer` gives) in DeepSeek-V3's layout: config.json,
     `shards` safetensors files + model.safetensors.index.json; fp8 = linear weights as float8_e4m3fn +
     weight_scale_inv (and the model's own weights replaced by their dequantised values, so it stays
     the reference)."""
@@ -99,7 +106,8 @@ def save_deepseek(
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
     tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    tensors.update({k: v.detach().clone().contiguous() for k, v in (mtp or {}).items()})
+    mtp_tensors, mtp_parts = mtp if mtp is not None else ({}, None)
+    tensors.update({k: v.detach().clone().contiguous() for k, v in mtp_tensors.items()})
     # transformers' in-memory experts are fused; the checkpoint layout has one tensor per expert.
     for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:
         base = name.removesuffix("gate_up_proj")
@@ -118,7 +126,7 @@ def save_deepseek(
             for n, v in tensors.items()
             if v.dtype == torch.float8_e4m3fn
         }
-        load_dequantised(model, dequantised)
+        load_dequantised(model, dequantised, mtp_parts)
         config = json.loads((directory / "config.json").read_text())
         config["quantization_config"] = {
             "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -137,21 +145,88 @@ def save_deepseek(
     )
 
 
-def load_dequantised(model: torch.nn.Module, dequantised: dict[str, torch.Tensor]) -> None:
-    """Put dequantised checkpoint weights back into the transformers model (experts fused again)."""
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, value in dequantised.items():
-            if name in state:
-                state[name].copy_(value)
-                continue
-            base, e, part = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
-            if base + ".gate_up_proj" not in state:
-                continue  # an MTP-layer tensor
-            half = state[base + ".gate_up_proj"].shape[1] // 2
-            if part == "gate_proj":
-                state[base + ".gate_up_proj"][e, :half].copy_(value)
-            elif part == "up_proj":
-                state[base + ".gate_up_proj"][e, half:].copy_(value)
+def load_dequantised(
+    model: torch.nn.Module, dequantised: dict[str, torch.Tensor], mtp_parts: dict | None
+) -> None:
+    """Put dequantised checkpoint weights back into the transformers model and the MTP layer's torch
+    modules (`tiny_mtp_layer`), experts fused again."""
+    mtp_prefix = f"model.layers.{model.config.num_hidden_layers}."
+    for name, value in dequantised.items():
+        if name.startswith(mtp_prefix):
+            rest = name.removeprefix(mtp_prefix)
+            if rest.startswith("eh_proj."):
+                _copy_into(mtp_parts["eh_proj"], rest.removeprefix("eh_proj."), value)
             else:
-                state[base + ".down_proj"][e].copy_(value)
+                _copy_into(mtp_parts["block"], rest, value)
+        else:
+            _copy_into(model, name, value)
+
+
+def _copy_into(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    state = module.state_dict()
+    with torch.no_grad():
+        if name in state:
+            state[name].copy_(value)
+            return
+        base, e, part = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+        half = state[base + ".gate_up_proj"].shape[1] // 2
+        if part == "gate_proj":
+            state[base + ".gate_up_proj"][e, :half].copy_(value)
+        elif part == "up_proj":
+            state[base + ".gate_up_proj"][e, half:].copy_(value)
+        else:
+            state[base + ".down_proj"][e].copy_(value)
+
+
+def tiny_mtp_layer(model: torch.nn.Module, seed: int = 1) -> tuple[dict[str, torch.Tensor], dict]:
+    """DeepSeek-V3 MTP-layer tensors for `model` (HF names at model.layers.{L}.*) and the torch modules
+    they come from: {"block", "enorm", "hnorm", "eh_proj", "norm"} (for a reference forward)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    c = model.config
+    n, d = c.num_hidden_layers, c.hidden_size
+    block = tiny_deepseek(seed, num_hidden_layers=n + 1, **_overrides(model)).model.layers[n]
+    torch.manual_seed(seed)
+    parts = {"block": block, "eh_proj": torch.nn.Linear(2 * d, d, bias=False)}
+    for name in ("enorm", "hnorm", "norm"):
+        parts[name] = DeepseekV3RMSNorm(d, eps=c.rms_norm_eps)
+        with torch.no_grad():
+            parts[name].weight.copy_(1 + 0.1 * torch.randn(d))
+    prefix = f"model.layers.{n}."
+    tensors = {prefix + k: v for k, v in block.state_dict().items()}
+    tensors[prefix + "enorm.weight"] = parts["enorm"].weight
+    tensors[prefix + "hnorm.weight"] = parts["hnorm"].weight
+    tensors[prefix + "eh_proj.weight"] = parts["eh_proj"].weight
+    tensors[prefix + "shared_head.norm.weight"] = parts["norm"].weight
+    tensors[prefix + "shared_head.head.weight"] = model.lm_head.weight
+    tensors[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight
+    return tensors, parts
+
+
+def _overrides(model: torch.nn.Module) -> dict:
+    """The TINY_DEEPSEEK fields `model` was built with differently (vocab size and the like)."""
+    config = model.config.to_dict()
+    return {
+        k: config[k]
+        for k in TINY_DEEPSEEK
+        if k in config
+        and config[k] != TINY_DEEPSEEK[k]
+        and k != "num_hidden_layers"
+        and not k.startswith("rope")
+    }
+
+
+def mtp_reference_logits(model: torch.nn.Module, parts: dict, ids: list[int]) -> torch.Tensor:
+    """Torch MTP logits for positions 0..T-2 of `ids` (predicting ids[i + 2]): eh_proj([enorm(Emb(t_(i+1)));
+    hnorm(h_i)]) through the block (causal), shared_head.norm, the LM head."""
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        hidden = model.model(tokens).last_hidden_state[:, :-1]
+        emb = model.model.embed_tokens(tokens[:, 1:])
+        x = parts["eh_proj"](torch.cat([parts["enorm"](emb), parts["hnorm"](hidden)], -1))
+        t = x.shape[1]
+        positions = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = parts["block"](x, attention_mask=mask, position_ids=positions,
+                             position_embeddings=model.model.rotary_emb(x, positions))  # fmt: skip
+        return model.lm_head(parts["norm"](out))[0]

@@ -83,16 +83,27 @@ def stack_modules(states: list[nnx.State]) -> nnx.State:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
 
+def module_class(config: MtpConfig) -> type[nnx.Module]:
+    """MtpModule (Llama-family block), or DeepSeek-V3's MLA + MoE module for a DeepSeek-V3 target."""
+    from jaxspec.models.deepseek_v3.config import DeepseekV3Config
+
+    if isinstance(config.layer, DeepseekV3Config):
+        from jaxspec.models.deepseek_v3.mtp import DeepseekMtpModule
+
+        return DeepseekMtpModule
+    return MtpModule
+
+
 def abstract_module(config: MtpConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, shape-only params) of ONE module."""
-    return nnx.split(nnx.eval_shape(lambda: MtpModule(config, dtype, nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: module_class(config)(config, dtype, nnx.Rngs(0))))
 
 
 def init_mtp(config: MtpConfig, dtype: jnp.dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
     """Seeded random modules: (graphdef of one module, stacked params [num_modules, ...])."""
     graphdef, states = None, []
     for k in range(config.num_modules):
-        graphdef, state = nnx.split(MtpModule(config, dtype, nnx.Rngs(seed + 1000 * k)))
+        graphdef, state = nnx.split(module_class(config)(config, dtype, nnx.Rngs(seed + 1000 * k)))
         states.append(state)
     return graphdef, stack_modules(states)
 
