@@ -28,8 +28,8 @@ from jaxspec.models.deepseek_v3.model import (
     softmax_scale,
 )
 from jaxspec.models.heads.configs import MtpConfig
-from jaxspec.models.heads.layers import AttentionInputs, head_linear
-from jaxspec.models.llama import RMSNorm
+from jaxspec.models.heads.layers import AttentionInputs
+from jaxspec.models.heads.mtp import MtpModule, abstract_module, stack_modules
 
 
 def head_attention(inputs: AttentionInputs, scale: float):
@@ -48,33 +48,20 @@ def head_attention(inputs: AttentionInputs, scale: float):
     return attend
 
 
-class DeepseekMtpModule(nnx.Module):
-    """One DeepSeek-V3 MTP module; the same call as `jaxspec.models.heads.mtp.MtpModule`."""
+class DeepseekMtpModule(MtpModule):
+    """One DeepSeek-V3 MTP module: `MtpModule` (enorm, hnorm, eh_proj, final_norm = shared_head.norm)
+    with an MLA + MoE block; its own keys / values are latents [B, 1, N, r] / rope keys [B, 1, N, dr]."""
 
-    def __init__(self, config: MtpConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        c = config.layer
-        d = c.hidden_size
-        self.config = config
-        self.enorm = RMSNorm(d, c.rms_norm_eps, dtype)
-        self.hnorm = RMSNorm(d, c.rms_norm_eps, dtype)
-        self.eh_proj = head_linear(2 * d, d, False, dtype, rngs)
-        self.block = DeepseekV3DecoderLayer(c, dtype, rngs, moe=c.is_moe_layer(c.num_layers))
-        self.final_norm = RMSNorm(d, c.rms_norm_eps, dtype)
+    def make_block(self, layer: DeepseekV3Config, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+        return DeepseekV3DecoderLayer(layer, dtype, rngs, moe=layer.is_moe_layer(layer.num_layers))
 
-    def __call__(
-        self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """embeddings/hidden [B, N, d], positions [B, N] -> (h' to pass on [B, N, d], final-normed h'
-        [B, N, d], own latents [B, 1, N, r], own rope keys [B, 1, N, dr])."""
-        c = self.config.layer
-        pair = [self.enorm(embeddings), self.hnorm(hidden.astype(embeddings.dtype))]
-        if not self.config.embedding_first:
-            pair.reverse()
-        x = self.eh_proj(jnp.concatenate(pair, axis=-1))
-        cos, sin = rope_cos_sin(c, positions)
-        out, (latent, k_pe) = self.block(x, cos, sin, head_attention(inputs, softmax_scale(c)))
-        normed = self.final_norm(out)
-        return (normed if self.config.recycle_normed else out), normed, latent, k_pe
+    def run_block(
+        self, x: jax.Array, positions: jax.Array, inputs: AttentionInputs
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        layer = self.config.layer
+        cos, sin = rope_cos_sin(layer, positions)
+        out, (latent, k_pe) = self.block(x, cos, sin, head_attention(inputs, softmax_scale(layer)))
+        return out, latent, k_pe
 
 
 def load_mtp_head(directory: Path, target: DeepseekV3Config, dtype: jnp.dtype):
@@ -82,7 +69,6 @@ def load_mtp_head(directory: Path, target: DeepseekV3Config, dtype: jnp.dtype):
     from jaxspec.models.deepseek_v3.checkpoint import _read_json, fill_state, read_checkpoint
     from jaxspec.models.heads.checkpoint_io import TensorSource
     from jaxspec.models.heads.head import DraftHead
-    from jaxspec.models.heads.mtp import abstract_module, stack_modules
 
     config_path = directory / "config.json"
     raw = _read_json(config_path)

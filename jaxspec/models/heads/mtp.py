@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.config import ModelConfig
 from jaxspec.models.heads.configs import MtpConfig
 from jaxspec.models.heads.layers import (
     AttentionInputs,
@@ -37,8 +38,19 @@ class MtpModule(nnx.Module):
         self.enorm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.eh_proj = head_linear(2 * d, d, False, dtype, rngs)
-        self.block = HeadDecoderLayer(c, dtype, rngs, input_norm="rms")
+        self.block = self.make_block(c, dtype, rngs)
         self.final_norm = RMSNorm(d, c.rms_norm_eps, dtype)
+
+    def make_block(self, layer: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The module's decoder block (a Llama-family layer; DeepSeek-V3's MTP overrides it)."""
+        return HeadDecoderLayer(layer, dtype, rngs, input_norm="rms")
+
+    def run_block(
+        self, x: jax.Array, positions: jax.Array, inputs: AttentionInputs
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, N, d], positions [B, N] -> (block output [B, N, d], own keys, own values)."""
+        cos, sin = rope_for(self.config.layer, positions)
+        return self.block(x, cos, sin, inputs)
 
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
@@ -49,8 +61,7 @@ class MtpModule(nnx.Module):
         h = self.hnorm(hidden.astype(embeddings.dtype))
         pair = [e, h] if self.config.embedding_first else [h, e]
         x = self.eh_proj(jnp.concatenate(pair, axis=-1))
-        cos, sin = rope_for(self.config.layer, positions)
-        out, k, v = self.block(x, cos, sin, inputs)
+        out, k, v = self.run_block(x, positions, inputs)
         normed = self.final_norm(out)
         return (normed if self.config.recycle_normed else out), normed, k, v
 
