@@ -5,6 +5,7 @@ scratch; chain and tree, batch 4 and 1), and the statistical exactness test."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -57,8 +58,6 @@ def test_mtp_layer_loads_and_matches_the_torch_reference(with_mtp):
 
 
 def jax_tree_first(stacked):
-    import jax
-
     return jax.tree.map(lambda x: x[0], stacked)
 
 
@@ -101,3 +100,54 @@ def test_deepseek_mtp_drafts_keep_the_target_distribution(monkeypatch, small_voc
     assert isinstance(drafter.config.layer, DeepseekV3Config)
     monkeypatch.setitem(test_heads_exactness.SPECS, "deepseek-mtp", spec)
     test_heads_exactness.test_head_drafts_keep_the_target_distribution(small_vocab, "deepseek-mtp")
+
+
+@pytest.mark.slow
+def test_the_head_trainer_fine_tunes_the_mtp_layer_with_the_target_frozen(with_mtp, tmp_path):
+    """The checkpoint's MTP layer trained on the target's own greedy continuations (target frozen):
+    its loss falls and its accuracy rises; saved in jaxspec's format and loaded back, it drafts with
+    more accepted tokens and the same greedy output."""
+    from jaxspec.train.export import save_head
+    from jaxspec.train.features import write_features
+    from jaxspec.train.losses import Objective
+    from jaxspec.train.trainer import TrainConfig, split_trainable, train
+
+    _, _, path, model = with_mtp
+    prompts = [np.random.default_rng(i).integers(1, 96, 4).tolist() for i in range(32)]
+    continuations = jaxspec.generate(model, prompts, max_new_tokens=20)
+    rows = [{"id": f"g{i}", "prompt_ids": p, "response_ids": c.token_ids}
+            for i, (p, c) in enumerate(zip(prompts, continuations, strict=True))]  # fmt: skip
+    store = write_features(
+        model, rows, tmp_path / "fs", max_len=32, capture_layers=(), batch_size=8, progress=False
+    )
+    head = head_for(model, jaxspec.SpecConfig(method="mtp", head=str(path)))
+    trainable, head_fixed = split_trainable(head.params)
+    objective = Objective(head.graphdef, head.config, model.graphdef, model.config, depth=2, num_positions=8)
+    target_before = [np.asarray(x) for x in jax.tree.leaves(model.params)]
+    config = TrainConfig(
+        steps=40, batch_size=8, learning_rate=1e-2, warmup_steps=5, log_every=5, checkpoint_every=40
+    )
+    result = train(objective, {"head": trainable}, {"target": model.params, "head_fixed": head_fixed}, store,
+                   tmp_path / "run", config, progress=False)  # fmt: skip
+    first, last = result.metrics[0], result.metrics[-1]
+    assert last["loss"] < 0.8 * first["loss"]
+    assert last["depth_acc"][0] > first["depth_acc"][0] + 0.1
+    assert all(
+        np.array_equal(a, np.asarray(b))
+        for a, b in zip(target_before, jax.tree.leaves(model.params), strict=True)
+    )
+
+    trained = nnx.merge_state(result.trainable["head"], head_fixed)
+    save_head(tmp_path / "trained", head.config, head.graphdef, trained, dtype="float32")
+    spec = dict(method="mtp", num_speculative_tokens=2)
+    reference = jaxspec.generate(model, prompts[:4], max_new_tokens=16)
+    before = jaxspec.generate(model, prompts[:4], max_new_tokens=16, spec=dict(spec, head=str(path)))
+    after = jaxspec.generate(
+        model, prompts[:4], max_new_tokens=16, spec=dict(spec, head=str(tmp_path / "trained"))
+    )
+    assert [c.token_ids for c in after] == [c.token_ids for c in reference] == [c.token_ids for c in before]
+    mean = lambda out: np.mean([c.stats["mean_accepted_length"] for c in out])  # noqa: E731
+    print(f"MTP fine-tune: loss {first['loss']:.3f} -> {last['loss']:.3f}, depth-1 accuracy "
+          f"{first['depth_acc'][0]:.2f} -> {last['depth_acc'][0]:.2f}; mean accepted length "
+          f"{mean(before):.2f} -> {mean(after):.2f}")  # fmt: skip
+    assert mean(after) > mean(before) + 0.2, (mean(before), mean(after))
