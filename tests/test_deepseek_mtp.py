@@ -38,7 +38,8 @@ def with_mtp(tmp_path_factory):
 
 def test_mtp_layer_loads_and_matches_the_torch_reference(with_mtp):
     torch_model, parts, path, model = with_mtp
-    head = head_for(model, jaxspec.SpecConfig(method="mtp", head=str(path)))
+    head = head_for(model, jaxspec.SpecConfig(method="mtp"))  # no head=: the checkpoint's own MTP layer
+    assert head.source == str(path)
     assert isinstance(head.config.layer, DeepseekV3Config) and head.config.num_modules == 1
     assert isinstance(nnx.merge(head.graphdef, jax_tree_first(head.params)), DeepseekMtpModule)
     assert head.params["block"]["mlp"]["experts"]["gate_up_proj"].get_value().shape == (1, 8, 2, 16, 32)

@@ -58,6 +58,7 @@ def test_tiny_deepseek_logits_and_greedy_match_transformers(tiny):
     print(f"deepseek_v3 bf16-free fp32: max |dlogit| = {worst:.2e}")
 
 
+@pytest.mark.slow
 def test_fp8_block_scaled_checkpoint_is_dequantised_at_load(tmp_path):
     torch_model = tiny_deepseek(seed=1)
     save_deepseek(torch_model, tmp_path, fp8=True, shards=3)  # torch_model now holds the dequantised weights
@@ -98,7 +99,14 @@ def test_the_mla_cache_holds_only_latent_and_rope_key(tiny):
     assert float(jnp.abs(written.keys[0][:, :, n:]).max()) == 0
 
 
-@pytest.mark.parametrize("path", [[0, 1, 4, 6], [0, 2, 5], [0]])
+@pytest.mark.parametrize(
+    "path",
+    [
+        [0, 1, 4, 6],
+        pytest.param([0, 2, 5], marks=pytest.mark.slow),
+        pytest.param([0], marks=pytest.mark.slow),
+    ],
+)
 def test_tree_verify_and_commit_match_autoregressive(tiny, path):
     """One forward over a draft tree (ancestor mask, positions prefix + depth) gives each node the logits
     of its path fed token by token, and committing a path leaves the cache autoregressive feeding gives."""
@@ -128,6 +136,7 @@ def test_tree_verify_and_commit_match_autoregressive(tiny, path):
         np.testing.assert_allclose(ours[0, :, :n], ref[0, :, :n], atol=1e-5)
 
 
+@pytest.mark.slow  # ~30 s to trace the 671B module tree's shapes
 def test_real_deepseek_v3_config_builds_the_module_tree():
     config = read_deepseek_config(REAL_CONFIG)
     assert (config.num_layers, config.n_routed_experts, config.kv_cache_dims()) == (

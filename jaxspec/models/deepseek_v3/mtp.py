@@ -53,7 +53,9 @@ class DeepseekMtpModule(MtpModule):
     with an MLA + MoE block; its own keys / values are latents [B, 1, N, r] / rope keys [B, 1, N, dr]."""
 
     def make_block(self, layer: DeepseekV3Config, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
-        return DeepseekV3DecoderLayer(layer, dtype, rngs, moe=layer.is_moe_layer(layer.num_layers))
+        # The MTP layers sit at index num_hidden_layers, past the first dense layers: always MoE (a head's
+        # layer config may carry num_layers=1, `head_layer_config`, so the index is not read from it).
+        return DeepseekV3DecoderLayer(layer, dtype, rngs, moe=True)
 
     def run_block(
         self, x: jax.Array, positions: jax.Array, inputs: AttentionInputs
