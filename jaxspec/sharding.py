@@ -9,6 +9,9 @@ their shardings here, from the logical axes of their dimensions:
   heads         query heads (o_proj in)                       model
   kv_heads      key/value heads (KV cache)                    model
   kv_groups     kv heads with their query heads (qkv_proj)    the kv_heads axis
+  mla_heads     MLA query heads, their own dimension          the heads axis
+                (q_b_proj / q_proj [H, k, in], kv_b_proj [H, k, r]; DeepSeek-V3)
+  experts       routed experts of a mixture of experts        model (expert parallel)
   mlp           MLP hidden units                              model
   vocab         embedding rows, LM head columns               model
   embed         model width                                   None (replicated); "data" = FSDP weights
@@ -29,7 +32,10 @@ memory but put a collective inside every attention of every layer and round (a s
 over sequence shards, or a score all-reduce over head_dim shards), and writes at per-row dynamic
 slots into a sequence-sharded buffer make XLA gather it; keeping query heads sharded over replicated
 kv heads would need a gather of the queries before each attention. Replication keeps the round free
-of KV collectives. Rows: a batch the "data" axis does not divide is replicated over "data".
+of KV collectives. MLA (DeepSeek-V3) caches one latent + rope key per token ([B, 1, S, r]): that cache
+is replicated over "model" while the query heads are sharded, and each shard attends its own heads
+against it, so no collective touches it either; routed experts are split over "experts" and their
+weighted sum is one all-reduce. Rows: a batch the "data" axis does not divide is replicated over "data".
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class ShardingRules:
     batch: str | None = DATA_AXIS
     heads: str | None = MODEL_AXIS
     kv_heads: str | None = MODEL_AXIS
+    experts: str | None = MODEL_AXIS
     mlp: str | None = MODEL_AXIS
     vocab: str | None = MODEL_AXIS
     embed: str | None = None
@@ -74,6 +81,8 @@ class ShardingRules:
     def mesh_axis(self, logical: str | None) -> str | None:
         if logical == "kv_groups":  # a kv head with its query group is sharded exactly like the kv head
             logical = "kv_heads"
+        if logical == "mla_heads":  # MLA: query heads (their latent / rope key cache is replicated)
+            logical = "heads"
         return None if logical is None else getattr(self, logical)
 
     def for_kv_heads(self, num_kv_heads: int, mesh: Mesh) -> ShardingRules:
@@ -110,6 +119,13 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("down_proj", "kernel"): ("mlp", "embed"),
     ("q_norm", "weight"): ("head_dim",),
     ("k_norm", "weight"): ("head_dim",),
+    # DeepSeek-V3 (jaxspec.models.deepseek_v3): MLA per-head projections, routed experts. q_a_proj,
+    # kv_a_proj_with_mqa and the router are replicated; shared experts / dense MLPs use the MLP rows.
+    ("q_b_proj", "weight"): ("mla_heads", None, None),
+    ("q_proj", "weight"): ("mla_heads", None, "embed"),
+    ("kv_b_proj", "weight"): ("mla_heads", None, None),
+    ("experts", "gate_up_proj"): ("experts", None, None, "embed"),
+    ("experts", "down_proj"): ("experts", "embed", None),
 }
 NORM_AXES = ("embed",)  # input_layernorm, post_attention_layernorm, norm: weight [embed]
 # Logical axes whose dimension is heads x head_dim fused: divisibility is checked on the head count.

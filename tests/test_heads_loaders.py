@@ -322,10 +322,13 @@ def deepseek_v3_mtp_layer(rng, experts=2, rank=4):
     return t, config
 
 
-def test_deepseek_v3_mtp_layers_are_refused_as_not_supported_yet(tmp_path):
+def test_deepseek_v3_mtp_layers_need_a_deepseek_v3_target(tmp_path):
+    """(DeepSeek-V3 targets load them: tests/test_deepseek_mtp.py.)"""
     tensors, config = deepseek_v3_mtp_layer(np.random.default_rng(5))
     write(tmp_path / "ds", tensors, config, "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"DeepSeek-V3 MTP layers .*MLA.* not supported yet.*MiMo-style"):
+    with pytest.raises(
+        ModelLoadError, match=r"DeepSeek-V3 MTP layers .*MLA.* need a DeepSeek-V3 target, not a llama"
+    ):
         load_head(tmp_path / "ds", "mtp", TARGET, jnp.float32)
 
 

@@ -169,10 +169,14 @@ class LlamaModel(nnx.Module):
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
             embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
         )  # fmt: skip
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List(self.decoder_layers(config, dtype, rngs))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = Projection(config.hidden_size, (config.vocab_size,), False, dtype, rngs)
+
+    def decoder_layers(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> list[nnx.Module]:
+        """The decoder stack (subclasses with other layers override this: `jaxspec.models.deepseek_v3`)."""
+        return [DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)]
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> embeddings [B, N, d]."""

@@ -101,10 +101,14 @@ class MtpDrafter(ChainOrDynamicTreeShape):
             return passed, (k, v)
 
         _, (keys, values) = jax.lax.scan(module_over_prompt, pre.hidden.astype(dtype), jnp.arange(depth))
-        shape = (depth, batch, layer.num_kv_heads, max_len + w, layer.head_dim)
+        (key_heads, key_dim), (value_heads, value_dim) = layer.kv_cache_dims()
         cache = HeadCache(
-            keys=jnp.zeros(shape, dtype).at[:, :, :, w : w + p].set(keys),
-            values=jnp.zeros(shape, dtype).at[:, :, :, w : w + p].set(values),
+            keys=jnp.zeros((depth, batch, key_heads, max_len + w, key_dim), dtype)
+            .at[:, :, :, w : w + p]
+            .set(keys),
+            values=jnp.zeros((depth, batch, value_heads, max_len + w, value_dim), dtype)
+            .at[:, :, :, w : w + p]
+            .set(values),
         )
         index = lengths[:, None] - w + jnp.arange(w)[None, :]
         window = jnp.take_along_axis(pre.hidden, jnp.clip(index, 0, p - 1)[:, :, None], axis=1)
@@ -164,11 +168,10 @@ class MtpDrafter(ChainOrDynamicTreeShape):
                 jax.lax.dynamic_update_index_in_dim(values, kv[1].astype(values.dtype), step, axis=0),
             )
 
-        layer = self.config.layer
-        stack_shape = (depth, batch, layer.num_kv_heads, w, layer.head_dim)
+        (key_heads, key_dim), (value_heads, value_dim) = self.config.layer.kv_cache_dims()
         stack = (
-            jnp.zeros(stack_shape, state.cache.keys.dtype),
-            jnp.zeros(stack_shape, state.cache.keys.dtype),
+            jnp.zeros((depth, batch, key_heads, w, key_dim), state.cache.keys.dtype),
+            jnp.zeros((depth, batch, value_heads, w, value_dim), state.cache.keys.dtype),
         )
         no_drafts = jnp.zeros((batch, 1, depth), jnp.int32)
         passed, logits, kv = run_module(0, state.features[:, None], no_drafts)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxspec.config import ModelConfig
+from jaxspec.models.deepseek_v3.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
+from jaxspec.models.deepseek_v3.config import DeepseekV3Config
 
 HEAD_METHODS = ("medusa", "eagle", "eagle3", "mtp")
 
@@ -108,9 +110,12 @@ def config_to_json(config: HeadConfig) -> dict[str, Any]:
 
 def _model_config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     raw = dict(raw)
-    if raw.get("rope_scaling") is not None:
-        raw["rope_scaling"] = tuple(raw["rope_scaling"])
+    for name in ("rope_scaling", "yarn"):  # DeepseekV3Config.yarn
+        if raw.get(name) is not None:
+            raw[name] = tuple(raw[name])
     raw["eos_token_ids"] = tuple(raw.get("eos_token_ids", ()))
+    if raw.get("architecture") in DEEPSEEK_MODEL_TYPES:  # an MLA + MoE layer (DeepSeek-V3's MTP)
+        return DeepseekV3Config(**raw)
     return ModelConfig(**raw)
 
 

@@ -30,8 +30,8 @@
       .self_attn.* with q/k/v biases, .post_attention_layernorm, .mlp.*).
       (vllm-project/vllm vllm/model_executor/models/mimo_mtp.py @ 0bb55d60cb667d2f4e263b55304a30b38fe2e55c)
     DeepSeek-V3 stores its MTP layers as model.layers.{L+i}.* with MLA attention and a mixture-of-experts
-    MLP (vllm-project/vllm vllm/model_executor/models/deepseek_mtp.py): not supported yet, the loader
-    refuses them with an error saying so (the architecture is a separate issue).
+    MLP (vllm-project/vllm vllm/model_executor/models/deepseek_mtp.py): read for a DeepSeek-V3 target
+    by `jaxspec.models.deepseek_v3.mtp.load_mtp_head`, refused for any other target.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import numpy as np
 
 from jaxspec.config import ModelConfig
 from jaxspec.errors import ModelLoadError
+from jaxspec.models.deepseek_v3.config import DeepseekV3Config
 from jaxspec.models.heads.checkpoint_io import TensorSource, fill_params, layout_key, read_tensors
 from jaxspec.models.heads.configs import (
     Eagle3Config,
@@ -286,7 +287,7 @@ def _check_vocab_maps(params, config: Eagle3Config, source: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# MTP (MiMo mtp_layers; DeepSeek-V3's MLA / MoE layers are refused)
+# MTP (MiMo mtp_layers; DeepSeek-V3's MLA / MoE layers for a DeepSeek-V3 target)
 # ---------------------------------------------------------------------------------------------------
 
 _MIMO_NAMES = {
@@ -306,6 +307,10 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def load_mtp(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict[str, Any]) -> DraftHead:
+    if isinstance(target, DeepseekV3Config):  # MLA + MoE modules at model.layers.{L + i}
+        from jaxspec.models.deepseek_v3.mtp import load_mtp_head
+
+        return load_mtp_head(directory, target, dtype)
     config_path = directory / "config.json"
     raw = _read_json(config_path)
     num_layers = raw.get("num_hidden_layers")
@@ -324,8 +329,7 @@ def load_mtp(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict
         if any(k.startswith(deepseek_prefix) for k in tensors.tensors):
             raise ModelLoadError(
                 f"{directory}: DeepSeek-V3 MTP layers ('{deepseek_prefix}*': MLA attention, "
-                "mixture-of-experts MLP) are not supported yet; jaxspec loads MiMo-style MTP layers "
-                "('model.mtp_layers.N.*')"
+                f"mixture-of-experts MLP) need a DeepSeek-V3 target, not a {target.architecture} one"
             )
         raise ModelLoadError(f"{directory}: no MTP tensors (expected '{mimo_prefix(0)}*', MiMo-style MTP)")
     names, prefix_of = _MIMO_NAMES, mimo_prefix

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.config import ModelConfig
 from jaxspec.models.heads.configs import MtpConfig
 from jaxspec.models.heads.layers import (
     AttentionInputs,
@@ -37,8 +38,19 @@ class MtpModule(nnx.Module):
         self.enorm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.eh_proj = head_linear(2 * d, d, False, dtype, rngs)
-        self.block = HeadDecoderLayer(c, dtype, rngs, input_norm="rms")
+        self.block = self.make_block(c, dtype, rngs)
         self.final_norm = RMSNorm(d, c.rms_norm_eps, dtype)
+
+    def make_block(self, layer: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+        """The module's decoder block (a Llama-family layer; DeepSeek-V3's MTP overrides it)."""
+        return HeadDecoderLayer(layer, dtype, rngs, input_norm="rms")
+
+    def run_block(
+        self, x: jax.Array, positions: jax.Array, inputs: AttentionInputs
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, N, d], positions [B, N] -> (block output [B, N, d], own keys, own values)."""
+        cos, sin = rope_for(self.config.layer, positions)
+        return self.block(x, cos, sin, inputs)
 
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
@@ -49,8 +61,7 @@ class MtpModule(nnx.Module):
         h = self.hnorm(hidden.astype(embeddings.dtype))
         pair = [e, h] if self.config.embedding_first else [h, e]
         x = self.eh_proj(jnp.concatenate(pair, axis=-1))
-        cos, sin = rope_for(self.config.layer, positions)
-        out, k, v = self.block(x, cos, sin, inputs)
+        out, k, v = self.run_block(x, positions, inputs)
         normed = self.final_norm(out)
         return (normed if self.config.recycle_normed else out), normed, k, v
 
@@ -83,16 +94,27 @@ def stack_modules(states: list[nnx.State]) -> nnx.State:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
 
+def module_class(config: MtpConfig) -> type[nnx.Module]:
+    """MtpModule (Llama-family block), or DeepSeek-V3's MLA + MoE module for a DeepSeek-V3 target."""
+    from jaxspec.models.deepseek_v3.config import DeepseekV3Config
+
+    if isinstance(config.layer, DeepseekV3Config):
+        from jaxspec.models.deepseek_v3.mtp import DeepseekMtpModule
+
+        return DeepseekMtpModule
+    return MtpModule
+
+
 def abstract_module(config: MtpConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, shape-only params) of ONE module."""
-    return nnx.split(nnx.eval_shape(lambda: MtpModule(config, dtype, nnx.Rngs(0))))
+    return nnx.split(nnx.eval_shape(lambda: module_class(config)(config, dtype, nnx.Rngs(0))))
 
 
 def init_mtp(config: MtpConfig, dtype: jnp.dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
     """Seeded random modules: (graphdef of one module, stacked params [num_modules, ...])."""
     graphdef, states = None, []
     for k in range(config.num_modules):
-        graphdef, state = nnx.split(MtpModule(config, dtype, nnx.Rngs(seed + 1000 * k)))
+        graphdef, state = nnx.split(module_class(config)(config, dtype, nnx.Rngs(seed + 1000 * k)))
         states.append(state)
     return graphdef, stack_modules(states)
 

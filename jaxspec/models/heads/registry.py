@@ -3,8 +3,9 @@ SpecConfig(method="medusa" | "eagle" | "eagle3" | "mtp").
 
 spec.head: a checkpoint directory (jaxspec's own Orbax format or a published layout, see
 `jaxspec.models.heads.loaders`); None for the head shipped with jaxspec for this model (an error when
-there is none: `jaxspec.models.heads.shipped.resolve_head`); "random" for a seeded random head
-(correctness tests, cost measurements; quality needs a trained head). Shapes of the draft:
+there is none: `jaxspec.models.heads.shipped.resolve_head`), or for "mtp" on a DeepSeek-V3 target with
+num_nextn_predict_layers >= 1, the MTP layers of the target's own checkpoint; "random" for a seeded
+random head (correctness tests, cost measurements; quality needs a trained head). Shapes of the draft:
   chain (topk == 1): num_speculative_tokens sampled drafts with their q recorded (exact verification);
   Medusa static tree: spec.tree_choices, or extra "tree_preset" (configs/medusa_trees.json);
   EAGLE / EAGLE-3 / MTP dynamic tree (topk > 1): depth = num_speculative_tokens, num_draft_tokens nodes
@@ -26,6 +27,7 @@ from typing import Any
 
 from jaxspec.config import SpecConfig
 from jaxspec.errors import InputError
+from jaxspec.models.deepseek_v3.config import DeepseekV3Config
 from jaxspec.models.heads.configs import (
     Eagle3Config,
     EagleConfig,
@@ -102,7 +104,12 @@ def _head_for(model, spec: SpecConfig) -> DraftHead:
         return init_head(random_head_config(model, spec), model.dtype, int(_extra(spec).get("seed", 0)))
     from jaxspec.models.heads.loaders import load_head
 
-    path = spec.head if spec.head is not None else resolve_head(model.source, spec.method, None)
+    path = spec.head
+    if path is None and spec.method == "mtp" and isinstance(model.config, DeepseekV3Config):
+        if model.config.num_nextn_predict_layers:  # DeepSeek-V3: the MTP layers of its own checkpoint
+            path = model.source
+    if path is None:
+        path = resolve_head(model.source, spec.method, None)
     return load_head(path, spec.method, model.config, model.dtype, _extra(spec))
 
 
