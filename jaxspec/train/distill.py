@@ -1,7 +1,7 @@
-"""Self-distillation data: the target model answers the training prompts with jaxspec's batched generate.
+"""Self-distillation data: the target model answers the training prompts through continuous batching.
 
-Output is JSONL, one row per prompt, appended (and fsync'ed) batch by batch; a rerun skips the ids
-already written, so a kill loses at most the batch in flight. A torn last line (killed mid-write) is
+Output is JSONL, one row per prompt, appended (and fsync'ed) as each answer finishes; a rerun skips the
+ids already written, so a kill loses only the answers in flight. A torn last line (killed mid-write) is
 cut off on resume.
 
 Row: {"id", "category", "prompt", "prompt_ids": [int], "response_ids": [int], "finish_reason"}.
@@ -83,17 +83,22 @@ def distill(
     batch_size: int = 16,
     sampling: SamplingParams | None = None,
     seed: int = 0,
-    spec=None,
     progress: bool = True,
+    steps_per_call: int = 64,
 ) -> list[dict]:
     """Generate the target's own responses for `prompts` ([{"id", "prompt", ...}]) into `output`.
 
     A prompt row may carry its own "prompt_ids" (already tokenized); otherwise "prompt" is rendered with
     the chat template. Resumable: ids already in `output` are skipped. Returns all rows of `output`
-    afterwards.
-    Prompts are processed in the given order (batches of `batch_size`, one compiled program per
-    bucket); greedy by default, which matches how the heads are benchmarked. `output` is a JSONL path or
-    a data set run (`DistilledDataset.writer`), whose whole data set's ids count as done.
+    afterwards, in the order they were written.
+    The prompts run through continuous batching (`jaxspec.continuous.generate_continuous`, autoregressive,
+    `batch_size` slots refilled as requests finish, one compiled program): each answer is appended to
+    `output` (and fsync'ed) as soon as the compiled call that finished it returns, so rows land in
+    finishing order and a kill loses only the answers still in flight. Greedy by default, which matches
+    how the heads are benchmarked; a request's tokens do not depend on its slot or neighbours. `output`
+    is a JSONL path or a data set run (`DistilledDataset.writer`), whose whole data set's ids count as
+    done. steps_per_call: loop iterations (decode steps or admits) between two collections of finished
+    answers.
     """
     if isinstance(output, DatasetWriter):
         done = output.dataset.ids()
@@ -104,43 +109,38 @@ def distill(
         done = {row["id"] for row in read_jsonl_rows(output)}
         append, read_all = (lambda rows: append_jsonl_rows(output, rows)), (lambda: read_jsonl_rows(output))
     todo = [p for p in prompts if p["id"] not in done]
-    from jaxspec.buckets import length_bucket
-    from jaxspec.generation import generate, request_id_from_string
-
-    # One compiled program per prompt-length bucket: run the prompts grouped by bucket (stable order),
-    # and pad a short last batch with repeats of its first prompt (their outputs are dropped).
-    all_ids = [
-        list(p["prompt_ids"]) if "prompt_ids" in p else chat_prompt_ids(model, p["prompt"]) for p in todo
-    ]
-    order = sorted(range(len(todo)), key=lambda i: length_bucket(len(all_ids[i])))
-    todo, all_ids = [todo[i] for i in order], [all_ids[i] for i in order]
-
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="distill", disable=not progress)
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start : start + batch_size]
-        ids = all_ids[start : start + batch_size]
-        pad = batch_size - len(batch)
-        request_ids = [request_id_from_string(p["id"]) for p in batch + [batch[0]] * pad]
-        t0 = time.perf_counter()
-        completions = generate(
-            model, ids + [ids[0]] * pad, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(),
-            seed=seed, spec=spec, request_ids=request_ids,
-        )[: len(batch)]  # fmt: skip
-        rows = [
-            {
-                "id": p["id"],
-                "category": p.get("category", ""),
-                "prompt": p.get("prompt", ""),
-                "prompt_ids": pid,
-                "response_ids": c.token_ids,
-                "finish_reason": c.finish_reason,
-            }  # fmt: skip
-            for p, pid, c in zip(batch, ids, completions, strict=True)
+    if todo:
+        from jaxspec import continuous
+        from jaxspec.generation import request_id_from_string
+
+        ids = [
+            list(p["prompt_ids"]) if "prompt_ids" in p else chat_prompt_ids(model, p["prompt"]) for p in todo
         ]
-        append(rows)
-        bar.update(len(batch))
-        bar.set_postfix(
-            tok_s=f"{sum(len(c.token_ids) for c in completions) / (time.perf_counter() - t0):.0f}"
-        )
+        start, written = time.perf_counter(), 0
+
+        def on_finished(finished: list) -> None:
+            nonlocal written
+            rows = [
+                {
+                    "id": todo[i]["id"],
+                    "category": todo[i].get("category", ""),
+                    "prompt": todo[i].get("prompt", ""),
+                    "prompt_ids": ids[i],
+                    "response_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                }  # fmt: skip
+                for i, c in finished
+            ]
+            append(rows)
+            written += sum(len(r["response_ids"]) for r in rows)
+            bar.update(len(rows))
+            bar.set_postfix(tok_s=f"{written / (time.perf_counter() - start):.0f}")
+
+        continuous.generate_continuous(
+            model, ids, max_new_tokens=max_new_tokens, sampling=sampling or SamplingParams(), seed=seed,
+            request_ids=[request_id_from_string(p["id"]) for p in todo], slots=batch_size,
+            steps_per_call=steps_per_call, on_finished=on_finished,
+        )  # fmt: skip
     bar.close()
     return read_all()
