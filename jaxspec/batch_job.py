@@ -8,12 +8,19 @@ optional max_new_tokens, temperature, top_k, top_p, seed, metadata). Every line 
 anything is generated; a bad line stops the job with `file:line: what is wrong` (exit code 2), or,
 with --skip-invalid, goes to the errors JSONL and the rest runs.
 
-Output: one line per finished request, in batch order (not input order):
+Batching: --batching continuous (default) decodes through --batch-size slots refilled inside one
+compiled loop (`jaxspec.continuous`): a finished request frees its slot for the next one, and every
+--steps-per-call loop iterations the requests finished so far are appended. A job that speculates
+(the policy picks a draft shape at --batch-size rows, or --policy fixed) runs --batching static: one
+`jaxspec.generate` call per planned batch, appended when the batch finishes.
+
+Output: one line per finished request, in the order they finish (not input order):
     {"id", "text", "token_ids", "finish_reason", "stats": {"prompt_tokens", "new_tokens", "rounds",
      "mean_accepted_length", "time_s", "batch_size", "speculation"[, "accepted_by_depth"]}[, "metadata"]}
-time_s is the wall time of the request's whole batch (compilation included for a batch with new shapes).
+time_s is the wall time of the request's whole batch (static; compilation included for a batch with new
+shapes), or from the start of the continuous run to the call that finished it (continuous).
 "text" is null, with an "error", when the tokenizer cannot decode the generated ids (they are kept).
-Each batch is appended and fsync'ed when it finishes; rerunning the same command resumes: ids already
+Each write is fsync'ed; rerunning the same command resumes: ids already
 in the output are skipped (a partial last line left by a kill is cut off and recomputed). The job
 writes only to an output it created (sidecar OUTPUT.jaxspec-state, see `jaxspec.batch.output_file`),
 holds a lock on it while it runs, and refuses an --output / --errors that is the input. The output is
@@ -101,7 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_job_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The options only a batch job has (`jaxspec generate --help` lists them too)."""
-    p.add_argument("--batch-size", type=int, default=16, help="requests per generate call")
+    p.add_argument(
+        "--batch-size", type=int, default=16,
+        help="rows decoded together: continuous-batching slots, or requests per static batch",
+    )  # fmt: skip
+    p.add_argument(
+        "--batching", choices=("continuous", "static"), default="continuous",
+        help="continuous: finished slots refilled inside the compiled loop, results streamed as they "
+        "finish (default; static batches whenever the job speculates); static: one generate call per batch",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps-per-call", type=int, default=64,
+        help="continuous: loop iterations between writes of the requests finished so far",
+    )  # fmt: skip
     p.add_argument(
         "--policy", choices=("auto", "off", "fixed"), default="auto",
         help="auto: batch-aware draft shape / off switch (default); fixed: --spec as given; off: none",
@@ -177,19 +196,23 @@ def result_record(item: TokenizedRequest, completion: Any, seconds: float, size:
     return record
 
 
-def _generate_batch(model: Any, batch: list[TokenizedRequest], spec: Any) -> list[Any]:
-    import jaxspec
+def _request_arguments(items: Sequence[TokenizedRequest]) -> dict[str, list]:
+    """The per-request arguments of `jaxspec.generate` / `generate_continuous` for these requests."""
     from jaxspec.generation import request_id_from_string
 
-    return jaxspec.generate(
-        model,
-        [list(item.prompt_ids) for item in batch],
-        max_new_tokens=[item.request.max_new_tokens for item in batch],
-        sampling=[item.request.sampling for item in batch],
-        seed=[item.request.seed for item in batch],
-        spec=spec,
-        request_ids=[request_id_from_string(item.request.key) for item in batch],
-    )
+    return {
+        "prompts": [list(item.prompt_ids) for item in items],
+        "max_new_tokens": [item.request.max_new_tokens for item in items],
+        "sampling": [item.request.sampling for item in items],
+        "seed": [item.request.seed for item in items],
+        "request_ids": [request_id_from_string(item.request.key) for item in items],
+    }
+
+
+def _generate_batch(model: Any, batch: list[TokenizedRequest], spec: Any) -> list[Any]:
+    import jaxspec
+
+    return jaxspec.generate(model, spec=spec, **_request_arguments(batch))
 
 
 def errors_file(args: argparse.Namespace) -> str:
@@ -251,12 +274,52 @@ def generate_batches(
             bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}", accepted=f"{stats.mean_accepted_length:.2f}")
 
 
+def generate_continuously(
+    model: Any,
+    items: list[TokenizedRequest],
+    writer: Any,
+    stats: RunStats,
+    slots: int,
+    steps_per_call: int,
+    show_progress: bool = True,
+) -> None:
+    """Autoregressive generation of every item through `slots` continuously refilled slots
+    (`jaxspec.continuous.generate_continuous`). Every `steps_per_call` loop iterations, the requests
+    finished since the last call are appended (one write + fsync) in the order they finished; time_s is
+    the time from the start of the run to the call that finished the request."""
+    from tqdm import tqdm
+
+    from jaxspec.continuous import generate_continuous
+
+    if not items:
+        return
+    last = [time.perf_counter()]
+    progress = tqdm(total=len(items), unit="req", desc="generate", disable=not show_progress, file=sys.stderr)
+    with progress as bar:
+
+        def write(finished: list[tuple[int, Any]]) -> None:
+            now = time.perf_counter()
+            writer.append(
+                [result_record(items[i], c, c.stats["batch_time_s"], slots, "off") for i, c in finished]
+            )
+            stats.add_batch([c for _, c in finished], now - last[0], "off", 0)
+            last[0] = now
+            bar.update(len(finished))
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
+
+        generate_continuous(
+            model, slots=slots, steps_per_call=steps_per_call, on_finished=write, **_request_arguments(items)
+        )
+
+
 def run_job(args: argparse.Namespace) -> int:
     """The job itself (arguments already parsed); returns the exit code."""
     from jaxspec.spec.policy import choose_spec, load_policy
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.steps_per_call < 1:
+        raise InputError(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
     check_distinct_files(args.input, args.output, errors_file(args) if args.skip_invalid else None)
     preflight_output(args.output)  # before loading the model; claimed (locked) by open_results
     if args.skip_invalid:
@@ -270,10 +333,22 @@ def run_job(args: argparse.Namespace) -> int:
         print(f"jaxspec: removed a partial last line ({repaired} bytes) from {args.output}", file=sys.stderr)
     pending = [item for item in ready if item.request.key not in done]
     stats = RunStats(invalid=len(issues), skipped_done=len(ready) - len(pending))
+    # Continuous batching decodes autoregressively; the job runs it unless the policy speculates at
+    # this row count (decided for the whole job, so a resumed run decides the same).
+    job_spec = pick_spec(batch_bucket(args.batch_size))
+    continuous = args.batching == "continuous" and job_spec is None
+    if args.batching == "continuous" and job_spec is not None:
+        print("jaxspec: note: the job speculates, which runs in static batches", file=sys.stderr)
     try:
         with writer:
-            batches = plan_pending(ready, args.batch_size, done)
-            generate_batches(model, batches, writer, pick_spec, stats, show_progress=not args.no_progress)
+            if continuous:
+                generate_continuously(
+                    model, pending, writer, stats, args.batch_size, args.steps_per_call,
+                    show_progress=not args.no_progress,
+                )  # fmt: skip
+            else:
+                batches = plan_pending(ready, args.batch_size, done)
+                generate_batches(model, batches, writer, pick_spec, stats, show_progress=not args.no_progress)
     except KeyboardInterrupt:
         print(f"\njaxspec: interrupted; rerun the same command to resume ({args.output})", file=sys.stderr)
         return 130

@@ -44,10 +44,12 @@ from jaxspec.generation import (
     completion,
     padded_requests,
 )
+from jaxspec.live_attention import live_attention
 from jaxspec.model import Model
 from jaxspec.output_buffer import OutputBuffer, append_tokens
 from jaxspec.prefill import Requests, prefill
 from jaxspec.spec import sampling
+from pallas_kernels.dispatch import resolve_impl
 
 
 @jax.tree_util.register_dataclass
@@ -117,8 +119,11 @@ def _retire(state: ContinuousState) -> ContinuousState:
     finished = (state.slot_request >= 0) & state.out.done
     target = jnp.where(finished, state.slot_request, n)
     results = _set_rows(state.results, target, state.out)
+    # A free slot's length drops to 0, so the longest length is the longest live request's: what
+    # live attention reads up to.
+    cache = dataclasses.replace(state.cache, lengths=jnp.where(finished, 0, state.cache.lengths))
     return dataclasses.replace(
-        state, results=results, slot_request=jnp.where(finished, -1, state.slot_request)
+        state, cache=cache, results=results, slot_request=jnp.where(finished, -1, state.slot_request)
     )
 
 
@@ -191,11 +196,15 @@ def run_continuous(
             next_request=state.next_request + take,
         )
 
+    # Where attention would read the whole padded cache (the jnp reference), read only the blocks up
+    # to the longest live request; the Pallas kernels already stop at each row's length.
+    live = resolve_impl(attention, jax.default_backend()) == "reference"
+
     def decode(state: ContinuousState) -> ContinuousState:
         cache = state.cache
         hidden, _, cache = model_forward(
             graphdef, params, state.pending[:, None], cache.lengths[:, None], cache, one_node_mask,
-            attention=attention,
+            attention=attention, attend=live_attention if live else None,
         )  # fmt: skip
         active = state.slot_request >= 0
         cache = dataclasses.replace(cache, lengths=jnp.minimum(cache.lengths + active, max_len - 1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,9 +29,11 @@ def attention_for(impl: str, mesh: jax.sharding.Mesh | None = None):
     return attention_fn
 
 
-def cached_attention(impl: str, mesh: jax.sharding.Mesh | None = None):
+def cached_attention(impl: str, mesh: jax.sharding.Mesh | None = None, attend: Callable | None = None):
     """A decoder layer's cache step: write the N new keys/values into the window
-    [lengths, lengths + N), then tree attention over prefix + new tokens (`attention_for(impl)`).
+    [lengths, lengths + N), then tree attention over prefix + new tokens (`attention_for(impl)`, or
+    `attend` when given: a function with `tree_attention`'s contract, e.g.
+    `jaxspec.live_attention.live_attention`).
 
     (q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale) -> (out [B, Hq, N, D], k_cache,
     v_cache). Writing before attending leaves the in-place update as the only reader of the old cache
@@ -38,7 +42,7 @@ def cached_attention(impl: str, mesh: jax.sharding.Mesh | None = None):
     per shard, so the cache is never gathered.
     """
 
-    attend = attention_for(impl)
+    attend = attend or attention_for(impl)
 
     def write_and_attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale):
         k_cache = write_window_flat(k_cache, k_new, lengths)
@@ -64,14 +68,17 @@ def model_forward(
     attention: str = "auto",
     capture_layers: tuple[int, ...] = (),
     mesh: jax.sharding.Mesh | None = None,
+    attend: Callable | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
     """tokens/positions [B, N], tree_mask [B, N, N] -> (final hidden [B, N, d], captured, cache).
 
     The new tokens' keys/values are written at [cache.lengths, cache.lengths + N); lengths unchanged.
     mesh: the mesh params and cache are sharded over (attention then runs per shard); None = one device.
+    attend: replaces `attention`'s implementation (`cached_attention`).
     """
     model = nnx.merge(graphdef, params)
-    return model(tokens, positions, cache, tree_mask, cached_attention(attention, mesh), capture_layers)
+    layer_step = cached_attention(attention, mesh, attend)
+    return model(tokens, positions, cache, tree_mask, layer_step, capture_layers)
 
 
 def lm_logits(graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array) -> jax.Array:

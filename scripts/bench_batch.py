@@ -289,13 +289,18 @@ def continuous(args, model, prompts) -> list[dict]:
                 flush=True,
             )
         static_rate = measured["jaxspec static batches"][0] / measured["jaxspec static batches"][1]
+        peer_rate = (
+            measured["transformers batched"][0] / measured["transformers batched"][1] if peer else None
+        )
         for label, (tokens, seconds, first) in measured.items():
             rate = tokens / seconds
-            rows.append([str(slots), label, f"{rate:.1f}", f"{rate / static_rate:.2f}x", f"{seconds:.1f}",
-                         f"{first:.1f}", str(tokens)])  # fmt: skip
+            vs_peer = [f"{rate / peer_rate:.2f}x"] if peer_rate else []
+            rows.append([str(slots), label, f"{rate:.1f}", f"{rate / static_rate:.2f}x", *vs_peer,
+                         f"{seconds:.1f}", f"{first:.1f}", str(tokens)])  # fmt: skip
             results.append({"slots": slots, "engine": label, "tokens": tokens, "seconds": seconds,
                             "first_result_s": first, "tokens_per_s": rate})  # fmt: skip
-    header = ["slots / batch", "engine", "tok/s", "vs static", "total s", "first result s", "tokens"]
+    header = ["slots / batch", "engine", "tok/s", "vs static", *(["vs transformers"] if peer else []),
+              "total s", "first result s", "tokens"]  # fmt: skip
     print(markdown(header, rows))
     print(f"peak RSS {peak_rss_gib():.2f} GiB")
     return results

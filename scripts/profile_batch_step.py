@@ -5,30 +5,41 @@
 Each component is timed as its own step inside one compiled `lax.fori_loop`
 (`jaxspec.bench.step_costs.median_loop_step_time`), as the generate loop runs it:
 
-* full step: forward over one token + LM head + logits processing + sampling + output append;
-* forward at S = max_len and at S = 16: the 30 layers (their matmuls + attention over the padded
-  cache); the difference is what attention over the padded cache costs;
+* full step: forward over one token + LM head + logits processing + sampling + output append, with
+  the reference attention and with live-block attention (`jaxspec.live_attention`, what
+  `jaxspec.continuous` decodes with on CPU);
+* forward at S = max_len (reference and live-block attention) and at S = 16: the 30 layers (their
+  matmuls + attention over the padded cache);
 * LM head (tied embedding, [B, d] x [V, d]) + argmax;
 * process_logits + sample_from_probs over the [B, V] logits (greedy rows);
 * output bookkeeping (`append_tokens`).
 
 Rows hold `--fill` committed tokens each (the cache is padded to `--max-len`).
+
+    python scripts/profile_batch_step.py --rows 64,16 --max-len 384 --fill 128 --iters 4 --attention-ab 7
+
+times only the forward with the reference vs live-block attention, compiled once each and timed in
+turn for 7 rounds (paired: a drifting machine load hits both alike).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxspec
-from jaxspec.bench.step_costs import median_loop_step_time
+from jaxspec.bench.step_costs import median_loop_step_time, step_loop
 from jaxspec.cache import KVCache
 from jaxspec.config import SamplingParams
 from jaxspec.forward import lm_logits, model_forward
+from jaxspec.live_attention import live_attention
 from jaxspec.output_buffer import OutputBuffer, append_tokens
 from jaxspec.spec import sampling
 
@@ -45,9 +56,11 @@ def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int
         cache = KVCache.zeros(config, rows, size, model.dtype)
         return dataclasses.replace(cache, lengths=jnp.full((rows,), min(fill, size - 2), jnp.int32))
 
-    def full(carry, params, token):
+    def full(carry, params, token, attend=None):
         cache, out = carry
-        hidden, _, cache = model_forward(graphdef, params, token[:, None], cache.lengths[:, None], cache, one)
+        hidden, _, cache = model_forward(
+            graphdef, params, token[:, None], cache.lengths[:, None], cache, one, attend=attend
+        )
         probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), samp)
         keys = sampling.derive_key(seeds, seeds, 1, sampling.PURPOSE_BONUS)
         new = sampling.sample_from_probs(probs, keys)
@@ -55,9 +68,11 @@ def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int
         out = dataclasses.replace(out, count=out.count % 64)  # never fills up
         return cache, out
 
-    def forward(carry, params, token):
+    def forward(carry, params, token, attend=None):
         cache, acc = carry
-        hidden, _, cache = model_forward(graphdef, params, token[:, None], cache.lengths[:, None], cache, one)
+        hidden, _, cache = model_forward(
+            graphdef, params, token[:, None], cache.lengths[:, None], cache, one, attend=attend
+        )
         return cache, acc + hidden[:, 0, :1]
 
     def head(carry, params, hidden):
@@ -79,9 +94,17 @@ def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int
     t["full step"] = median_loop_step_time(
         full, (cache_of(max_len), OutputBuffer.empty(rows, 128)), (params, token), iters=iters
     )
+    t["full step, live attention"] = median_loop_step_time(
+        functools.partial(full, attend=live_attention),
+        (cache_of(max_len), OutputBuffer.empty(rows, 128)), (params, token), iters=iters,
+    )  # fmt: skip
     t[f"forward S={max_len}"] = median_loop_step_time(
         forward, (cache_of(max_len), jnp.zeros((rows, 1), model.dtype)), (params, token), iters=iters
     )
+    t[f"forward S={max_len}, live attention"] = median_loop_step_time(
+        functools.partial(forward, attend=live_attention),
+        (cache_of(max_len), jnp.zeros((rows, 1), model.dtype)), (params, token), iters=iters,
+    )  # fmt: skip
     t["forward S=16"] = median_loop_step_time(
         forward, (cache_of(16), jnp.zeros((rows, 1), model.dtype)), (params, token), iters=iters
     )
@@ -95,6 +118,42 @@ def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int
     return t
 
 
+def attention_ab(
+    model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int, rounds: int, variants: dict
+) -> dict[str, list[float]]:
+    """Seconds per forward step (cache padded to max_len, `fill` tokens per row) for each attention
+    variant (name -> `attend`, None = the reference), each compiled once, then timed in turn for
+    `rounds` rounds: a drifting machine load hits every variant alike."""
+    graphdef, params, config = model.graphdef, model.params, model.config
+    one = jnp.ones((rows, 1, 1), bool)
+    token = jnp.arange(rows, dtype=jnp.int32) + 100
+    zero = jnp.zeros((), jnp.int32)
+
+    def carry() -> tuple[KVCache, jax.Array]:
+        cache = KVCache.zeros(config, rows, max_len, model.dtype)
+        cache = dataclasses.replace(cache, lengths=jnp.full((rows,), fill, jnp.int32))
+        return cache, jnp.zeros((rows, 1), model.dtype)
+
+    def forward(carry, params, token, attend):
+        cache, acc = carry
+        hidden, _, cache = model_forward(
+            graphdef, params, token[:, None], cache.lengths[:, None], cache, one, attend=attend
+        )
+        return cache, acc + hidden[:, 0, :1]
+
+    loops = {name: step_loop(functools.partial(forward, attend=a), iters) for name, a in variants.items()}
+    carries = {
+        name: jax.block_until_ready(loop(carry(), (params, token), zero)) for name, loop in loops.items()
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            start = time.perf_counter()
+            carries[name] = jax.block_until_ready(loop(carries[name], (params, token), zero))
+            times[name].append((time.perf_counter() - start) / iters)
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -102,8 +161,29 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--fill", type=int, default=128)
     p.add_argument("--iters", type=int, default=8)
+    p.add_argument(
+        "--attention-ab", type=int, default=0, metavar="ROUNDS",
+        help="only the forward with reference vs live attention, interleaved for ROUNDS rounds",
+    )  # fmt: skip
     args = p.parse_args()
     model = jaxspec.load(args.model)
+    if args.attention_ab:
+        variants = {"reference": None, "live blocks": live_attention}
+        print(f"load average {os.getloadavg()[0]:.1f}, max_len {args.max_len}, fill {args.fill}", flush=True)
+        for rows in args.rows.split(","):
+            t = attention_ab(
+                model, int(rows), args.max_len, args.fill, args.iters, args.attention_ab, variants
+            )
+            base = t["reference"]
+            for name, times in t.items():
+                ratio = statistics.median(b / x for b, x in zip(base, times, strict=True))
+                print(
+                    f"{rows} rows, forward with {name}: median {statistics.median(times) * 1e3:.1f} ms, "
+                    f"{ratio:.2f}x the reference's speed (median of {len(times)} paired rounds)",
+                    flush=True,
+                )
+        print(f"load average at the end {os.getloadavg()[0]:.1f}")
+        return
     print(f"load average {os.getloadavg()[0]:.1f}, {model.dtype}, max_len {args.max_len}, fill {args.fill}")
     print("| component | " + " | ".join(f"{r} rows (ms)" for r in args.rows.split(",")) + " |")
     results = [profile(model, int(r), args.max_len, args.fill, args.iters) for r in args.rows.split(",")]

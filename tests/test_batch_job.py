@@ -362,7 +362,7 @@ def test_resume_after_sigkill_at_several_points(tmp_path, tiny_dir):
     policy = '{"rules": [{"max_batch": 1, "num_speculative_tokens": 2}]}'
     common = [
         "--input", str(src), "--model", str(tiny_dir), "--batch-size", "2", "--policy-json", policy,
-        "--no-progress",
+        "--no-progress", "--batching", "static",
     ]  # fmt: skip
     reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
     run_driver(tmp_path, [*common, "--output", str(reference)], "none")
@@ -387,6 +387,52 @@ def test_resume_after_sigkill_at_several_points(tmp_path, tiny_dir):
     assert all(len(by_id[r["id"]][0]) == r["max_new_tokens"] for r in requests)
     run_driver(tmp_path, args, "none")  # a rerun of a finished job writes nothing
     assert read_jsonl(out) == final
+
+
+@pytest.mark.slow
+def test_continuous_job_killed_twice_resumes_to_the_uninterrupted_output(tmp_path, tiny_dir):
+    """256 requests of very different lengths (greedy and sampled) through 16 continuously refilled
+    slots, results streamed every 8 loop iterations; SIGKILL once halfway through a write and once just
+    after one, at points drawn at random; the rerun finishes the job: every id exactly once, each with
+    the tokens of the uninterrupted run."""
+    import random
+
+    rng = random.Random(17)
+    requests = []
+    for i in range(256):
+        request = {
+            "id": f"q{i}",
+            "prompt_ids": [rng.randrange(1, 320) for _ in range(rng.randint(1, 20))],
+            "max_new_tokens": rng.choice([1, 2, 5, 9, 17, 33, 40]),
+        }
+        if i % 3 == 0:
+            request.update(temperature=1.0, top_k=rng.choice([0, 8]), seed=rng.randrange(1000))
+        requests.append(request)
+    src = write_jsonl(tmp_path / "in.jsonl", requests)
+    common = ["--input", str(src), "--model", str(tiny_dir), "--batch-size", "16", "--steps-per-call", "8"]
+    common += ["--no-progress"]
+    reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
+    run_driver(tmp_path, [*common, "--output", str(reference)], "none")
+    expected = read_jsonl(reference)
+    assert sorted(r["id"] for r in expected) == sorted(r["id"] for r in requests)
+    assert [r["id"] for r in expected] != [r["id"] for r in requests]  # streamed as they finished
+    assert {(r["stats"]["batch_size"], r["stats"]["speculation"]) for r in expected} == {(16, "off")}
+
+    args = [*common, "--output", str(out)]
+    run_driver(tmp_path, args, "torn", at=rng.randint(2, 6))  # killed halfway through a write
+    first = complete_ids(out)
+    assert 0 < len(first) < len(requests) and not out.read_bytes().endswith(b"\n")
+    run_driver(tmp_path, args, "after", at=rng.randint(2, 6))  # killed right after a write
+    second = complete_ids(out)
+    assert len(first) < len(second) < len(requests) and second[: len(first)] == first
+    run_driver(tmp_path, args, "none")
+
+    final = read_jsonl(out)
+    ids = [r["id"] for r in final]
+    assert len(ids) == len(set(ids)) == len(requests)  # nothing lost, nothing twice
+    assert {r["id"]: (r["token_ids"], r["finish_reason"]) for r in final} == {
+        r["id"]: (r["token_ids"], r["finish_reason"]) for r in expected
+    }
 
 
 def test_plan_pending_keeps_each_requests_planned_batch_size():
