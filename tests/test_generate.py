@@ -107,7 +107,7 @@ def test_decode_loop_updates_the_kv_cache_in_place(tiny, monkeypatch):
     layer's cache twice per step (the broken variant below shows the check sees those copies)."""
     assert _decode_program_cache_copies(tiny, max_len=48) == 0
 
-    def read_then_write(impl, mesh=None):
+    def read_then_write(impl, mesh=None, attend=None):
         def attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale):
             out = tree_attention(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, scale=scale)
             return out, write_window(k_cache, k_new, lengths), write_window(v_cache, v_new, lengths)
