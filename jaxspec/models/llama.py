@@ -178,6 +178,20 @@ class LlamaModel(nnx.Module):
         """The decoder stack (subclasses with other layers override this: `jaxspec.models.deepseek_v3`)."""
         return [DecoderLayer(config, dtype, rngs) for _ in range(config.num_layers)]
 
+    def rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """positions [B, N] -> (cos, sin) of the rotary embedding, as the decoder layers take them."""
+        return rope_cos_sin(positions, inverse_frequencies(self.config))
+
+    def layer_runner(self, lengths: jax.Array, tree_mask: jax.Array, attention_fn: AttentionFn) -> Callable:
+        """One forward's per-layer step: (layer, x [B, N, d], cos, sin, layer's two cache buffers) ->
+        (x, the buffers with the N new entries written). Subclasses whose layers keep another cache
+        (`jaxspec.models.deepseek_v3`: latents and rope keys) override this and `rotary`."""
+
+        def run(layer, x, cos, sin, k_cache, v_cache):
+            return layer(x, cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn)
+
+        return run
+
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> embeddings [B, N, d]."""
         return self.embed_tokens(tokens)
@@ -212,13 +226,12 @@ class LlamaModel(nnx.Module):
           final hidden [B, N, d] (after the final norm), captured layer outputs (each [B, N, d]),
           and the cache with the window written (lengths unchanged; commit advances them).
         """
-        cos, sin = rope_cos_sin(positions, inverse_frequencies(self.config))
+        cos, sin = self.rotary(positions)
+        run_layer = self.layer_runner(cache.lengths, tree_mask, attention_fn)
         x = self.embed(tokens)
         new_keys, new_values, captured = [], [], {}
         for i, layer in enumerate(self.layers):
-            x, k_cache, v_cache = layer(
-                x, cos, sin, cache.keys[i], cache.values[i], cache.lengths, tree_mask, attention_fn
-            )
+            x, k_cache, v_cache = run_layer(layer, x, cos, sin, cache.keys[i], cache.values[i])
             new_keys.append(k_cache)
             new_values.append(v_cache)
             if i in capture_layers:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.cache import KVCache, write_window
+from jaxspec.cache import write_window
 from jaxspec.models.deepseek_v3.config import DeepseekV3Config, yarn_mscale
 from jaxspec.models.llama import MLP, LlamaModel, Projection, RMSNorm, rows_times
 
@@ -314,27 +314,18 @@ class DeepseekV3Model(LlamaModel):
             for i in range(config.num_layers)
         ]
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        cache: KVCache,
-        tree_mask: jax.Array,
-        attention_fn: object = None,
-        capture_layers: tuple[int, ...] = (),
-    ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
-        """One forward over N new tokens per row (see `LlamaModel.__call__`; attention_fn is not used:
-        MLA always runs its jnp absorbed form). cache.keys[i] / cache.values[i]: layer i's latents
-        [B, 1, S, r] / rope keys [B, 1, S, dr]; the N new entries are written at [lengths, lengths + N)."""
-        cos, sin = rope_cos_sin(self.config, positions)
-        step = cached_latent_attention(softmax_scale(self.config), cache.lengths, tree_mask)
-        x = self.embed(tokens)
-        latents, ropes, captured = [], [], {}
-        for i, layer in enumerate(self.layers):
-            x, (latent_cache, rope_cache) = layer(x, cos, sin, step(cache.keys[i], cache.values[i]))
-            latents.append(latent_cache)
-            ropes.append(rope_cache)
-            if i in capture_layers:
-                captured[i] = x
-        cache = KVCache(keys=tuple(latents), values=tuple(ropes), lengths=cache.lengths)
-        return self.norm(x), tuple(captured[i] for i in capture_layers), cache
+    def rotary(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """positions [B, N] -> (cos, sin) of the (YaRN-scaled) rope part of MLA."""
+        return rope_cos_sin(self.config, positions)
+
+    def layer_runner(self, lengths: jax.Array, tree_mask: jax.Array, attention_fn: object) -> Callable:
+        """`LlamaModel.layer_runner` for MLA layers (attention_fn is not used: MLA always runs its jnp
+        absorbed form). A layer's two cache buffers are its latents [B, 1, S, r] and rope keys
+        [B, 1, S, dr]; the N new entries are written at [lengths, lengths + N)."""
+        step = cached_latent_attention(softmax_scale(self.config), lengths, tree_mask)
+
+        def run(layer, x, cos, sin, latent_cache, rope_cache):
+            x, (latent_cache, rope_cache) = layer(x, cos, sin, step(latent_cache, rope_cache))
+            return x, latent_cache, rope_cache
+
+        return run
