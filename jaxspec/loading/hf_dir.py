@@ -41,7 +41,7 @@ def read_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
 def read_hf_config(config_path: Path) -> ModelConfig:
     """ModelConfig from a Hugging Face config.json (plus generation_config.json's eos ids if present)."""
-    raw = _read_json(config_path)
+    raw = read_json_object(config_path)
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
@@ -81,7 +81,7 @@ def read_hf_config(config_path: Path) -> ModelConfig:
         eos_ids = _token_id_tuple(raw.get("eos_token_id"))
         generation_config = config_path.parent / "generation_config.json"
         if generation_config.is_file():
-            extra_eos = _token_id_tuple(_read_json(generation_config).get("eos_token_id"))
+            extra_eos = _token_id_tuple(read_json_object(generation_config).get("eos_token_id"))
             eos_ids = tuple(dict.fromkeys(eos_ids + extra_eos))
     except (TypeError, ValueError):
         raise ModelLoadError(
@@ -183,12 +183,13 @@ def _token_id_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A model directory's JSON file (config.json, the shard index, ...) as a dict; errors name the file."""
     if not path.is_file():
         raise ModelLoadError(f"{path}: file not found")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
@@ -213,7 +214,7 @@ def _locate_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], num_lay
     """Tensor name -> the safetensors file holding it, from the shard index or the single file."""
     index_path = directory / SHARD_INDEX
     if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json_object(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or not an object")
         _check_no_extra_layers(list(weight_map), num_layers, index_path)

@@ -22,7 +22,6 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.errors import ModelLoadError
+from jaxspec.loading.hf_dir import read_json_object
 from jaxspec.models.deepseek_v3.config import DeepseekV3Config, config_from_hf, fp8_block_size
 from jaxspec.models.deepseek_v3.model import DeepseekV3Model
 from jaxspec.models.heads.checkpoint_io import TensorSource
@@ -40,18 +40,6 @@ _DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32, "BOOL": np.bool_,
 }  # fmt: skip
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path}: file not found") from None
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{path}: not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
 
 
 def read_safetensors(file: Path, keep: Callable[[str], bool]) -> dict[str, np.ndarray]:
@@ -83,7 +71,7 @@ def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a model directory (from the shard index when there is one)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index}: field 'weight_map' is missing or not an object")
         files = [directory / name for name in sorted(set(weight_map.values()))]
@@ -207,7 +195,7 @@ def load_deepseek_dir(
     skipped); errors name the file, tensor or config field."""
     directory = Path(directory)
     config_path = directory / "config.json"
-    raw = _read_json(config_path)
+    raw = read_json_object(config_path)
     config = config_from_hf(raw, str(config_path))
     block = fp8_block_size(raw, str(config_path))
 

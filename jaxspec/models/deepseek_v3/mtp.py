@@ -68,12 +68,13 @@ class DeepseekMtpModule(MtpModule):
 
 def load_mtp_head(directory: Path, target: DeepseekV3Config, dtype: jnp.dtype):
     """The MTP layers of a DeepSeek-V3 checkpoint directory as a DraftHead (stacked modules)."""
-    from jaxspec.models.deepseek_v3.checkpoint import _read_json, fill_state, read_checkpoint
+    from jaxspec.loading.hf_dir import read_json_object
+    from jaxspec.models.deepseek_v3.checkpoint import fill_state, read_checkpoint
     from jaxspec.models.heads.checkpoint_io import TensorSource
     from jaxspec.models.heads.head import DraftHead
 
     config_path = directory / "config.json"
-    raw = _read_json(config_path)
+    raw = read_json_object(config_path)
     count = int(raw.get("num_nextn_predict_layers") or 0)
     if count < 1:
         raise ModelLoadError(f"{config_path}: field 'num_nextn_predict_layers' is {count}: no MTP layers")
