@@ -1,2 +1,2 @@
-"""Pieces of the offline batch job (`jaxspec.batch_job`): request parsing and validation, resumable
+"""Pieces of the offline batch job (`jaxspec.batch.job`): request parsing and validation, resumable
 output, batch planning, and the run summary."""

@@ -15,8 +15,8 @@ import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, which safet
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxspec.config import ModelConfig
 from jaxspec.errors import ModelLoadError
+from jaxspec.model.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SINGLE_FILE = "model.safetensors"

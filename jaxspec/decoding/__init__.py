@@ -1,0 +1,1 @@
+"""Decoding loops: generate, prefill, autoregressive and speculative loops, output buffer."""

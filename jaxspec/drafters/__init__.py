@@ -1,0 +1,1 @@
+"""Drafters: who proposes the draft tree each round."""
