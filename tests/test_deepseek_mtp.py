@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 import jaxspec
-from jaxspec.drafters.heads.mtp.deepseek import DeepseekMtpModule
-from jaxspec.drafters.heads.mtp.module import mtp_sequence_forward
+from jaxspec.drafters.heads.mtp.module import DeepseekMtpModule, mtp_sequence_forward
 from jaxspec.drafters.heads.registry import head_for, make_head_drafter
 from jaxspec.model.deepseek_v3.config import DeepseekV3Config
 from jaxspec.model.forward import causal_mask, model_forward

@@ -16,6 +16,7 @@ from jaxspec.config import INT32_MAX, SamplingParams, SpecConfig
 from jaxspec.decoding.autoregressive import generate_autoregressive
 from jaxspec.decoding.output_buffer import streaming_to
 from jaxspec.decoding.prefill import Requests
+from jaxspec.decoding.speculative import generate_speculative
 from jaxspec.distributed import to_host
 from jaxspec.errors import InputError
 from jaxspec.model.buckets import batch_bucket, length_bucket
@@ -222,8 +223,6 @@ def generate(
             )  # fmt: skip
             extra: dict[str, np.ndarray] = {}
         else:
-            from jaxspec.decoding.speculative import generate_speculative
-
             out, rounds, extra = generate_speculative(
                 model, requests, spec, prompt_len, new_bucket, stream=stream is not None
             )

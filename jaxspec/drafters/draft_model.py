@@ -13,6 +13,7 @@ from jaxspec import sampling
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.protocol import RoundContext
 from jaxspec.errors import InputError
+from jaxspec.loading.loader import load
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
 from jaxspec.model.kv_cache import KVCache
@@ -22,8 +23,6 @@ from jaxspec.sampling.tree import chain_tree
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(name_or_path: str, dtype_name: str) -> Model:
-    from jaxspec.loading.loader import load
-
     return load(name_or_path, dtype=dtype_name)
 
 

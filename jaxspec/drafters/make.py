@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxspec.config import SpecConfig
-from jaxspec.drafters.draft_model import DraftModelDrafter
+from jaxspec.drafters.draft_model import DraftModelDrafter, load_draft_model
+from jaxspec.drafters.heads import registry
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.drafters.protocol import Drafter
 
@@ -32,13 +33,9 @@ def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
         )  # fmt: skip
         return drafter, ()
     if spec.method == "draft_model":
-        from jaxspec.drafters.draft_model import load_draft_model
-
         draft = load_draft_model(model, spec)
         drafter = DraftModelDrafter(
             graphdef=draft.graphdef, config=draft.config, num_tokens=spec.num_speculative_tokens
         )  # fmt: skip
         return drafter, draft.params
-    from jaxspec.drafters.heads.registry import make_head_drafter
-
-    return make_head_drafter(model, spec)
+    return registry.make_head_drafter(model, spec)

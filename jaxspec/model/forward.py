@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.model.kv_cache import KVCache, write_window_flat
+from jaxspec.sharding import shard_attention
 from pallas_kernels import tree_attention
 
 
@@ -23,8 +24,6 @@ def attention_for(impl: str, mesh: jax.sharding.Mesh | None = None):
         return tree_attention(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, scale=scale, impl=impl)
 
     if mesh is not None:
-        from jaxspec.sharding import shard_attention
-
         return shard_attention(attention_fn, mesh)
     return attention_fn
 
@@ -51,8 +50,6 @@ def cached_attention(impl: str, mesh: jax.sharding.Mesh | None = None, attend: C
         return out, k_cache, v_cache
 
     if mesh is not None:
-        from jaxspec.sharding import shard_attention
-
         return shard_attention(write_and_attend, mesh, returns_cache=True)
     return write_and_attend
 

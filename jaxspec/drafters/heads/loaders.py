@@ -31,7 +31,7 @@
       (vllm-project/vllm vllm/model_executor/models/mimo_mtp.py @ 0bb55d60cb667d2f4e263b55304a30b38fe2e55c)
     DeepSeek-V3 stores its MTP layers as model.layers.{L+i}.* with MLA attention and a mixture-of-experts
     MLP (vllm-project/vllm vllm/model_executor/models/deepseek_mtp.py): read for a DeepSeek-V3 target
-    by `jaxspec.drafters.heads.mtp.deepseek.load_mtp_head`, refused for any other target.
+    by `jaxspec.drafters.heads.mtp.loader.load_mtp_head`, refused for any other target.
 """
 
 from __future__ import annotations

@@ -35,7 +35,11 @@ from jaxspec.drafters.heads.configs import (
     default_eagle3_layers,
     head_layer_config,
 )
+from jaxspec.drafters.heads.eagle.drafter import EagleDrafter
 from jaxspec.drafters.heads.head import DraftHead, init_head
+from jaxspec.drafters.heads.loaders import load_head
+from jaxspec.drafters.heads.medusa.drafter import MedusaDrafter
+from jaxspec.drafters.heads.mtp.drafter import MtpDrafter
 from jaxspec.drafters.heads.shipped import RANDOM_HEAD, resolve_head
 from jaxspec.drafters.tree_build import (
     StaticTree,
@@ -102,8 +106,6 @@ def random_head_config(model, spec: SpecConfig) -> HeadConfig:
 def _head_for(model, spec: SpecConfig) -> DraftHead:
     if spec.head == RANDOM_HEAD:
         return init_head(random_head_config(model, spec), model.dtype, int(_extra(spec).get("seed", 0)))
-    from jaxspec.drafters.heads.loaders import load_head
-
     path = spec.head
     if path is None and spec.method == "mtp" and isinstance(model.config, DeepseekV3Config):
         if model.config.num_nextn_predict_layers:  # DeepSeek-V3: the MTP layers of its own checkpoint
@@ -157,10 +159,6 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
     logits_hook: static hook applied to every draft logits array (`jaxspec.drafters.heads.drafting`), with
     its data `hook_params` in draft_params["hook"].
     """
-    from jaxspec.drafters.heads.eagle.drafter import EagleDrafter
-    from jaxspec.drafters.heads.medusa.drafter import MedusaDrafter
-    from jaxspec.drafters.heads.mtp.drafter import MtpDrafter
-
     hook = logits_hook
     hook_data = hook_params if hook is not None else ()
     head = head_for(model, spec)

@@ -1,4 +1,14 @@
-"""MiMo-style MTP layers in a target checkpoint -> a jaxspec MTP head."""
+"""MTP layers stored in a target's checkpoint -> a jaxspec MTP head.
+
+MiMo: `model.mtp_layers.{i}.*` (see `loaders` for the names). DeepSeek-V3 stores module i at
+`model.layers.{num_hidden_layers + i}.`: enorm, hnorm (RMSNorm), eh_proj [d, 2 d], a full decoder block
+(input_layernorm, MLA self_attn, post_attention_layernorm, the MoE mlp), shared_head.norm, and copies of
+the target's embedding (embed_tokens) and LM head (shared_head.head), whose shapes are checked and which
+are shared with the target, as in DeepSeek's and vLLM's inference code. At position i, with h = the
+target's final-normed hidden state (or the previous module's block output):
+  x = eh_proj([enorm(Emb(t_(i+k))); hnorm(h_i)]),  h' = block(x),  logits = lm_head(shared_head.norm(h'))
+and h' (before the norm) is what the next draft step reads.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +17,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxspec.drafters.heads.configs import (
-    MtpConfig,
-)
+from jaxspec.drafters.heads.configs import MtpConfig
 from jaxspec.drafters.heads.head import DraftHead
 from jaxspec.drafters.heads.mtp.module import abstract_module, stack_modules
 from jaxspec.drafters.heads.published import (
@@ -21,8 +29,10 @@ from jaxspec.drafters.heads.published import (
 )
 from jaxspec.errors import ModelLoadError
 from jaxspec.loading.checkpoint_io import TensorSource, fill_params, layout_key, read_tensors
+from jaxspec.loading.deepseek_v3 import fill_state, read_checkpoint
+from jaxspec.loading.hf_dir import read_json_object
 from jaxspec.model.config import ModelConfig
-from jaxspec.model.deepseek_v3.config import DeepseekV3Config
+from jaxspec.model.deepseek_v3.config import DeepseekV3Config, fp8_block_size
 
 # ---------------------------------------------------------------------------------------------------
 # MTP (MiMo mtp_layers; DeepSeek-V3's MLA / MoE layers for a DeepSeek-V3 target)
@@ -46,8 +56,6 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 def load_mtp(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict[str, Any]) -> DraftHead:
     if isinstance(target, DeepseekV3Config):  # MLA + MoE modules at model.layers.{L + i}
-        from jaxspec.drafters.heads.mtp.deepseek import load_mtp_head
-
         return load_mtp_head(directory, target, dtype)
     config_path = directory / "config.json"
     raw = _read_json(config_path)
@@ -84,4 +92,40 @@ def load_mtp(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict
         for shared in ("embed_tokens.weight", "shared_head.head.weight"):
             _check_shared_tensor(tensors, prefix + shared, (target.vocab_size, target.hidden_size))
     tensors.check_all_used(ignore=lambda name: _is_rotary_buffer(name) or not name.startswith(prefixes))
+    return DraftHead(config=config, graphdef=graphdef, params=stack_modules(states), source=str(directory))
+
+
+def load_mtp_head(directory: Path, target: DeepseekV3Config, dtype: jnp.dtype):
+    """The MTP layers of a DeepSeek-V3 checkpoint directory as a DraftHead (stacked modules)."""
+    config_path = directory / "config.json"
+    raw = read_json_object(config_path)
+    count = int(raw.get("num_nextn_predict_layers") or 0)
+    if count < 1:
+        raise ModelLoadError(f"{config_path}: field 'num_nextn_predict_layers' is {count}: no MTP layers")
+    prefixes = tuple(f"model.layers.{target.num_layers + i}." for i in range(count))
+    block = fp8_block_size(raw, str(config_path))
+    tensors = TensorSource(
+        read_checkpoint(directory, lambda n: n.startswith(prefixes), block), str(directory)
+    )
+    if not tensors.tensors:
+        raise ModelLoadError(f"{directory}: no MTP tensors ('{prefixes[0]}*')")
+    config = MtpConfig(layer=target, num_modules=count, embedding_first=True, recycle_normed=False)
+    graphdef, abstract = abstract_module(config, dtype)
+
+    def key_of(prefix: str):
+        def key(path: tuple) -> tuple[str, tuple]:
+            if path[0] == "block":
+                return prefix, path[1:]
+            if path[0] == "final_norm":
+                return prefix, ("shared_head", "norm", *path[1:])
+            return prefix, path
+
+        return key
+
+    states = [fill_state(abstract, key_of(prefix), tensors, dtype) for prefix in prefixes]
+    for prefix in prefixes:  # copies of the target's embedding and LM head: shared, shapes checked
+        for name in ("embed_tokens.weight", "shared_head.head.weight"):
+            if prefix + name in tensors:
+                tensors.take(prefix + name, (target.vocab_size, target.hidden_size))
+    tensors.check_all_used()
     return DraftHead(config=config, graphdef=graphdef, params=stack_modules(states), source=str(directory))

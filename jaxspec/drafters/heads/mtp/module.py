@@ -7,6 +7,10 @@ and the embedding of token t_(i+k):
   logits of t_(i+k+1) = target LM head(final_norm(h_i^k))
 The modules' weights are stacked along a leading axis [num_modules, ...] so a `lax.scan` over draft
 steps picks module k mod num_modules with a dynamic index (`module_params`).
+
+`MtpModule` runs a Llama-family block (MiMo); `DeepseekMtpModule` runs DeepSeek-V3's MLA + MoE block,
+whose attention caches latents and rope keys like the target's (`HeadCache.keys` / `.values`:
+[.., B, 1, S, r] / [.., B, 1, S, dr]); `module_class` picks one from the head's layer config.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ from jaxspec.drafters.heads.layers import (
     rope_for,
 )
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.deepseek_v3.config import DeepseekV3Config
+from jaxspec.model.deepseek_v3.model import (
+    DeepseekV3DecoderLayer,
+    latent_attention,
+    rope_cos_sin,
+    softmax_scale,
+)
 from jaxspec.model.llama import RMSNorm
 
 
@@ -96,11 +107,7 @@ def stack_modules(states: list[nnx.State]) -> nnx.State:
 
 def module_class(config: MtpConfig) -> type[nnx.Module]:
     """MtpModule (Llama-family block), or DeepSeek-V3's MLA + MoE module for a DeepSeek-V3 target."""
-    from jaxspec.model.deepseek_v3.config import DeepseekV3Config
-
     if isinstance(config.layer, DeepseekV3Config):
-        from jaxspec.drafters.heads.mtp.deepseek import DeepseekMtpModule
-
         return DeepseekMtpModule
     return MtpModule
 
@@ -139,3 +146,37 @@ def mtp_sequence_forward(
     positions = jnp.broadcast_to(jnp.arange(n)[None, :] + first_position, (batch, n))
     passed, normed, _, _ = module(embeddings, hidden, positions, inputs)
     return passed, normed
+
+
+def head_attention(inputs: AttentionInputs, scale: float):
+    """An MLA attention step over a head's key sets: the committed cache, this round's earlier draft
+    steps (optional) and the queries' own new entries (`jaxspec.drafters.heads.layers` for the masks)."""
+
+    def attend(q_lat, q_pe, latent, k_pe):
+        n = latent.shape[1]
+        own_visible = jnp.broadcast_to(inputs.own_visible, (latent.shape[0], n, n)) | jnp.eye(n, dtype=bool)
+        parts = [(inputs.cache_keys[:, 0], inputs.cache_values[:, 0], inputs.cache_visible)]
+        if inputs.extra_keys is not None:
+            parts.append((inputs.extra_keys[:, 0], inputs.extra_values[:, 0], inputs.extra_visible))
+        parts.append((latent, k_pe, own_visible))
+        return latent_attention(q_lat, q_pe, parts, scale), (latent[:, None], k_pe[:, None])
+
+    return attend
+
+
+class DeepseekMtpModule(MtpModule):
+    """One DeepSeek-V3 MTP module: `MtpModule` (enorm, hnorm, eh_proj, final_norm = shared_head.norm)
+    with an MLA + MoE block; its own keys / values are latents [B, 1, N, r] / rope keys [B, 1, N, dr]."""
+
+    def make_block(self, layer: DeepseekV3Config, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
+        # The MTP layers sit at index num_hidden_layers, past the first dense layers: always MoE (a head's
+        # layer config may carry num_layers=1, `head_layer_config`, so the index is not read from it).
+        return DeepseekV3DecoderLayer(layer, dtype, rngs, moe=True)
+
+    def run_block(
+        self, x: jax.Array, positions: jax.Array, inputs: AttentionInputs
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        layer = self.config.layer
+        cos, sin = rope_cos_sin(layer, positions)
+        out, (latent, k_pe) = self.block(x, cos, sin, head_attention(inputs, softmax_scale(layer)))
+        return out, latent, k_pe
