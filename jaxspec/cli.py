@@ -23,7 +23,8 @@ def _spec_from_args(args: argparse.Namespace):
     configs/heads/ (found from the package); with neither it is an error (a random head would accept
     nothing): the same rule as the API (`jaxspec.drafters.heads.shipped.resolve_head`)."""
     from jaxspec.config import SpecConfig
-    from jaxspec.drafters.heads.shipped import HEAD_METHODS, shipped_head, shipped_heads_dir
+    from jaxspec.drafters.heads.configs import HEAD_METHODS
+    from jaxspec.drafters.heads.shipped import shipped_head, shipped_heads_dir
     from jaxspec.errors import InputError
 
     if args.spec is None or args.spec.strip().lower() in ("none", "off", "ar"):

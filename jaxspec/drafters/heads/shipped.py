@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxspec.drafters.heads.configs import HEAD_METHODS
 from jaxspec.errors import InputError, ModelLoadError
 from jaxspec.resources import configs_dir
 
-HEAD_METHODS = ("medusa", "eagle", "eagle3", "mtp")
 RANDOM_HEAD = "random"
 
 
