@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,18 +12,6 @@ from jaxspec.model.config import ModelConfig
 # ---------------------------------------------------------------------------------------------------
 # Shared pieces
 # ---------------------------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: missing")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from err
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
 
 
 def _first_existing(directory: Path, names: tuple[str, ...]) -> Path:

@@ -19,11 +19,11 @@ from jaxspec.drafters.heads.published import (
     _first_existing,
     _has_attention_bias,
     _is_rotary_buffer,
-    _read_json,
     layer_config_from_json,
 )
 from jaxspec.errors import ModelLoadError
 from jaxspec.loading.checkpoint_io import TensorSource, fill_params, layout_key, read_tensors
+from jaxspec.loading.hf_dir import read_json_object
 from jaxspec.model.config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ def _eagle_weight_files(directory: Path) -> list[Path]:
 
 
 def load_eagle(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict[str, Any]) -> DraftHead:
-    raw = _read_json(directory / "config.json")
+    raw = read_json_object(directory / "config.json")
     files = _eagle_weight_files(directory)
     tensors = TensorSource(read_tensors(files), str(files[0]))
     bias = _has_attention_bias(tensors, "layers.0.")
@@ -70,7 +70,7 @@ def eagle3_target_layers(raw: dict[str, Any], target: ModelConfig, extra: dict[s
 
 def load_eagle3(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict[str, Any]) -> DraftHead:
     config_path = directory / "config.json"
-    raw = _read_json(config_path)
+    raw = read_json_object(config_path)
     files = _eagle_weight_files(directory)
     tensors = TensorSource(read_tensors(files), str(files[0]))
     if raw.get("draft_vocab_size") is None:

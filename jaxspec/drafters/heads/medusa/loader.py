@@ -12,9 +12,10 @@ from jaxspec.drafters.heads.configs import (
     MedusaConfig,
 )
 from jaxspec.drafters.heads.head import DraftHead, abstract_head
-from jaxspec.drafters.heads.published import _first_existing, _read_json
+from jaxspec.drafters.heads.published import _first_existing
 from jaxspec.errors import ModelLoadError
 from jaxspec.loading.checkpoint_io import TensorSource, fill_params, read_tensors
+from jaxspec.loading.hf_dir import read_json_object
 from jaxspec.model.config import ModelConfig
 
 # ---------------------------------------------------------------------------------------------------
@@ -23,7 +24,7 @@ from jaxspec.model.config import ModelConfig
 
 
 def load_medusa(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict[str, Any]) -> DraftHead:
-    raw = _read_json(directory / "config.json")
+    raw = read_json_object(directory / "config.json")
     file = _first_existing(directory, ("medusa_lm_head.safetensors", "medusa_lm_head.pt"))
     tensors = TensorSource(read_tensors([file]), str(file))
     num_layers = int(raw.get("medusa_num_layers", 1))

@@ -24,7 +24,6 @@ from jaxspec.drafters.heads.published import (
     _check_shared_tensor,
     _has_attention_bias,
     _is_rotary_buffer,
-    _read_json,
     layer_config_from_json,
 )
 from jaxspec.errors import ModelLoadError
@@ -58,7 +57,7 @@ def load_mtp(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: dict
     if isinstance(target, DeepseekV3Config):  # MLA + MoE modules at model.layers.{L + i}
         return load_mtp_head(directory, target, dtype)
     config_path = directory / "config.json"
-    raw = _read_json(config_path)
+    raw = read_json_object(config_path)
     num_layers = raw.get("num_hidden_layers")
     if num_layers is None:
         raise ModelLoadError(f"{config_path}: required field 'num_hidden_layers' is missing")
