@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxspec import sampling
-from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, stream_first_row
+from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, first_output, stream_first_row
 from jaxspec.decoding.prefill import Requests, prefill
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
@@ -57,12 +57,7 @@ def generate_autoregressive(
     batch = requests.prompt_tokens.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     pre = prefill(graphdef, params, config, requests, max_len, attention=attention, mesh=mesh)
-    out, _ = append_tokens(
-        OutputBuffer.empty(batch, capacity), pre.first_token[:, None], jnp.ones((batch,), jnp.int32),
-        requests.max_new_tokens, eos,
-    )  # fmt: skip
-    if stream:
-        stream_first_row(out)
+    out = first_output(pre.first_token, capacity, requests.max_new_tokens, eos, stream)
     one_node_mask = jnp.ones((batch, 1, 1), dtype=bool)
 
     def step(state: DecodeState) -> DecodeState:

@@ -56,6 +56,24 @@ def append_tokens(
     return OutputBuffer(tokens=tokens, count=count, done=done, stopped=stopped), kept
 
 
+def first_output(
+    first_token: jax.Array, capacity: int, max_new: jax.Array, eos_ids: jax.Array, stream: bool = False
+) -> OutputBuffer:
+    """The output buffer after prefill: an empty [B, capacity] buffer with each row's first token
+    (first_token [B], sampled by prefill) appended, streamed to the host when `stream`."""
+    batch = first_token.shape[0]
+    out, _ = append_tokens(
+        OutputBuffer.empty(batch, capacity),
+        first_token[:, None],
+        jnp.ones((batch,), jnp.int32),
+        max_new,
+        eos_ids,
+    )
+    if stream:
+        stream_first_row(out)
+    return out
+
+
 # Streaming: a loop compiled with stream=True calls `stream_first_row` after every step / round; the
 # host callback hands row 0's tokens so far to the listeners `streaming_to` installs for one call.
 _LISTENERS: list[Callable[[list[int]], None]] = []

@@ -15,14 +15,15 @@ from jax.sharding import Mesh
 
 from jaxspec import sampling
 from jaxspec.config import SpecConfig
-from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, stream_first_row
+from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, first_output, stream_first_row
 from jaxspec.decoding.prefill import Requests, prefill
 from jaxspec.drafters.make import make_drafter
 from jaxspec.drafters.protocol import Drafter, RoundContext
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
 from jaxspec.model.kv_cache import KVCache, commit_path
-from jaxspec.sampling.tree import ancestor_mask, tree_positions
+from jaxspec.sampling.tree import ancestor_mask, gather_nodes, tree_positions
+from jaxspec.sampling.verify import emitted_tokens
 from jaxspec.sharding import constrain_cache, constrain_caches, shard_params
 
 
@@ -40,12 +41,6 @@ class SpecState:
     rounds: jax.Array
     accepted_by_depth: jax.Array
     round_idx: jax.Array
-
-
-def gather_path(x: jax.Array, path: jax.Array) -> jax.Array:
-    """x [B, N, ...], path [B, P] (-1 padded) -> [B, P, ...] entries of the accepted path."""
-    idx = jnp.maximum(path, 0).reshape(path.shape + (1,) * (x.ndim - 2))
-    return jnp.take_along_axis(x, idx, axis=1)
 
 
 def write_history(history: jax.Array, history_len: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -98,12 +93,7 @@ def speculative_loop(
         graphdef, params, config, requests, max_len,
         attention=spec.attention, capture_layers=drafter.capture_layers, mesh=mesh,
     )  # fmt: skip
-    out, _ = append_tokens(
-        OutputBuffer.empty(batch, capacity), pre.first_token[:, None], jnp.ones((batch,), jnp.int32),
-        requests.max_new_tokens, eos,
-    )  # fmt: skip
-    if stream:
-        stream_first_row(out)
+    out = first_output(pre.first_token, capacity, requests.max_new_tokens, eos, stream)
     history = jnp.zeros((batch, prompt_len + capacity), jnp.int32)
     history = history.at[:, :prompt_len].set(requests.prompt_tokens)
     history = write_history(history, requests.prompt_lengths, pre.first_token[:, None])
@@ -145,16 +135,15 @@ def speculative_loop(
         num_accepted = jnp.where(active, result.num_accepted, 0)
         cache = commit_path(cache, result.path, jnp.where(active, num_accepted + 1, 0), window=n_nodes)
         cache = constrain_cache(cache, mesh)
-        emitted = jnp.concatenate([result.accepted_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-        emitted = jax.vmap(lambda row, at, tok: row.at[at].set(tok))(emitted, num_accepted, result.next_token)
+        emitted = emitted_tokens(result, num_accepted, pad=0)
         out, _ = append_tokens(s.out, emitted, num_accepted + 1, requests.max_new_tokens, eos)
         if stream:
             stream_first_row(out)
         history = write_history(s.history, s.history_len, emitted)
         history_len = s.history_len + jnp.where(active, num_accepted + 1, 0)
         features = {
-            "hidden": gather_path(hidden, result.path),
-            "captured": tuple(gather_path(c, result.path) for c in captured),
+            "hidden": gather_nodes(hidden, result.path),
+            "captured": tuple(gather_nodes(c, result.path) for c in captured),
         }
         drafter_state = drafter.update(
             draft_params, params, drafter_state, ctx, tree, result, features, active

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxspec import sampling
 from jaxspec.config import SpecConfig
-from jaxspec.drafters.protocol import RoundContext
+from jaxspec.drafters.protocol import RoundContext, root_token
 from jaxspec.errors import InputError
 from jaxspec.loading.loader import load
 from jaxspec.model.config import ModelConfig
@@ -90,7 +90,7 @@ class DraftModelDrafter:
 
     def propose(self, draft_params, target_params, cache: KVCache, ctx: RoundContext):
         batch = ctx.history.shape[0]
-        root = jnp.take_along_axis(ctx.history, (ctx.history_len - 1)[:, None], axis=1)[:, 0]
+        root = root_token(ctx)
         one = jnp.ones((batch, 1, 1), bool)
 
         def step(carry, i):

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.drafters.protocol import RoundContext
+from jaxspec.drafters.protocol import RoundContext, last_token
 from jaxspec.sampling.tree import DraftTree
 
 
@@ -149,7 +149,7 @@ def ngram_tree(
     length = length.astype(jnp.int32)
     match_ends = _longest_match_ends(history, length, ngram_min, ngram_max)
     tokens, lens = _pick_branches(history, length, match_ends, num_tokens, num_branches)
-    root = jnp.take_along_axis(history, jnp.maximum(length - 1, 0)[:, None], axis=1)[:, 0]
+    root = last_token(history, length)
     return _branches_to_trie(root, tokens, lens)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from jaxspec.sampling.processors import SamplingArrays
 from jaxspec.sampling.tree import DraftTree
@@ -23,6 +24,16 @@ class RoundContext:
     cache_lengths: jax.Array
     keys: jax.Array
     sampling: SamplingArrays
+
+
+def last_token(history: jax.Array, length: jax.Array) -> jax.Array:
+    """history [B, H], length [B] -> [B] history[b, length[b] - 1] (index clamped at 0)."""
+    return jnp.take_along_axis(history, jnp.maximum(length - 1, 0)[:, None], axis=1)[:, 0]
+
+
+def root_token(ctx: RoundContext) -> jax.Array:
+    """[B] the round's root: the pending token (last emitted, not yet in the target cache)."""
+    return last_token(ctx.history, ctx.history_len)
 
 
 class Drafter(Protocol):

@@ -76,3 +76,10 @@ def chain_tree(root: jax.Array, drafts: jax.Array, q_probs: jax.Array | None = N
         pad = jnp.zeros_like(q_probs[:, :1])
         q_probs = jnp.concatenate([pad, q_probs], axis=1)
     return DraftTree(tokens=tokens, parent=parent, depth=depth, valid=valid, q_probs=q_probs)
+
+
+def gather_nodes(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B, N, ...], index [B, K] (-1 = padding, read as node 0) -> [B, K, ...]: per-node values at the
+    given node indices of each row (the accepted path's entries, a frontier's slots)."""
+    idx = jnp.maximum(index, 0).reshape(index.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)

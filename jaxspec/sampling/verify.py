@@ -52,9 +52,21 @@ class VerifyResult:
     @property
     def emitted_tokens(self) -> jax.Array:
         """[B, D + 1] int32 tokens this round emits: accepted drafts then next_token, -1 padded."""
-        slots = jnp.arange(self.path.shape[1])[None, :]
-        padded = jnp.concatenate([self.accepted_tokens, jnp.full_like(self.next_token[:, None], -1)], 1)
-        return jnp.where(slots == self.num_accepted[:, None], self.next_token[:, None], padded)
+        return emitted_tokens(self)
+
+
+def emitted_tokens(
+    result: VerifyResult, num_accepted: jax.Array | None = None, size: int | None = None, pad: int = -1
+) -> jax.Array:
+    """[B, size] int32 tokens a round commits: the accepted drafts, then the next token at index
+    num_accepted, `pad` after. num_accepted [B] defaults to result.num_accepted (engines pass it zeroed
+    for finished rows); size (>= D + 1) to D + 1."""
+    num_accepted = result.num_accepted if num_accepted is None else num_accepted
+    size = result.path.shape[1] if size is None else size
+    slots = jnp.arange(size)[None, :]
+    accepted = jnp.pad(result.accepted_tokens, ((0, 0), (0, size - result.accepted_tokens.shape[1])))
+    after = jnp.where(slots == num_accepted[:, None], result.next_token[:, None], pad)
+    return jnp.where(slots < num_accepted[:, None], accepted, after).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "max_depth", "posterior_threshold", "posterior_alpha"))

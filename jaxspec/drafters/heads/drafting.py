@@ -50,11 +50,6 @@ def apply_hook(
     return hook(draft_params["hook"], logits, index)
 
 
-def root_token(ctx: RoundContext) -> jax.Array:
-    """[B] the pending token (last emitted, not yet in the target cache)."""
-    return jnp.take_along_axis(ctx.history, (ctx.history_len - 1)[:, None], axis=1)[:, 0]
-
-
 def candidate_scores(logits: jax.Array, params: sampling.SamplingArrays) -> jax.Array:
     """Ranking scores for deterministic (top-k) drafts, logits [B, ..., V] -> [B, ..., V] (see module doc)."""
     probs = sampling.process_logits(logits, params)
@@ -138,22 +133,6 @@ def dynamic_tree(
     tokens, parent, score = stack_candidates(first, later)
     tree = select_dynamic_tree(root, tokens, parent, score, num_draft_tokens, cand_valid=jnp.isfinite(score))
     return tree, carry
-
-
-def gather_slots(x: jax.Array, index: jax.Array) -> jax.Array:
-    """x [B, F, ...], index [B, K] -> [B, K, ...] (frontier bookkeeping)."""
-    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
-
-
-def emitted_tokens(result: sampling.VerifyResult, num_accepted: jax.Array, size: int) -> jax.Array:
-    """[B, size] tokens committed this round after each path node: accepted drafts, then the next
-    token at index num_accepted, zeros after."""
-    slots = jnp.arange(size)[None, :]
-    accepted = jnp.pad(result.accepted_tokens, ((0, 0), (0, size - result.accepted_tokens.shape[1])))
-    nxt = result.next_token[:, None]
-    return jnp.where(
-        slots < num_accepted[:, None], accepted, jnp.where(slots == num_accepted[:, None], nxt, 0)
-    )
 
 
 class ChainOrDynamicTreeShape:

@@ -33,14 +33,13 @@ from jaxspec.drafters.heads.drafting import (
     apply_hook,
     candidate_scores,
     dynamic_tree,
-    emitted_tokens,
-    gather_slots,
-    root_token,
     sampled_chain,
 )
 from jaxspec.drafters.heads.layers import AttentionInputs, causal_visible, empty_cache_inputs
-from jaxspec.drafters.protocol import RoundContext
+from jaxspec.drafters.protocol import RoundContext, root_token
 from jaxspec.model.kv_cache import HeadCache, write_window
+from jaxspec.sampling.tree import gather_nodes
+from jaxspec.sampling.verify import emitted_tokens
 
 
 @jax.tree_util.register_dataclass
@@ -183,7 +182,7 @@ class EagleDrafter(ChainOrDynamicTreeShape):
 
         def tree_step(carry, tokens, source, step):
             outs, ancestors, buf_k, buf_v = carry
-            hidden, seen = gather_slots(outs, source), gather_slots(ancestors, source)
+            hidden, seen = gather_nodes(outs, source), gather_nodes(ancestors, source)
             out, kk, vv = run(tokens, hidden, length + step - 1, buf_k, buf_v, seen)
             offset = (step - 1) * width
             buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), offset, axis=2)
@@ -218,6 +217,6 @@ class EagleDrafter(ChainOrDynamicTreeShape):
         return dataclasses.replace(
             state,
             pending_features=raw.astype(state.pending_features.dtype),
-            pending_tokens=emitted_tokens(result, num_accepted, size),
+            pending_tokens=emitted_tokens(result, num_accepted, size, pad=0),
             pending_count=jnp.where(active, num_accepted + 1, 0).astype(jnp.int32),
         )

@@ -17,9 +17,9 @@ from flax import nnx
 
 from jaxspec import sampling
 from jaxspec.drafters.heads.configs import MedusaConfig
-from jaxspec.drafters.heads.drafting import apply_hook, root_token, top_tokens
+from jaxspec.drafters.heads.drafting import apply_hook, top_tokens
 from jaxspec.drafters.heads.medusa.module import medusa_logits
-from jaxspec.drafters.protocol import RoundContext
+from jaxspec.drafters.protocol import RoundContext, root_token
 from jaxspec.drafters.tree_build import StaticTree, fill_static_tree
 from jaxspec.model.forward import last_valid
 from jaxspec.sampling.tree import DraftTree, chain_tree

@@ -31,14 +31,13 @@ from jaxspec.drafters.heads.drafting import (
     apply_hook,
     candidate_scores,
     dynamic_tree,
-    gather_slots,
-    root_token,
     sampled_chain,
 )
 from jaxspec.drafters.heads.layers import AttentionInputs, causal_visible, empty_cache_inputs
 from jaxspec.drafters.heads.mtp.module import mtp_logits, mtp_module_forward
-from jaxspec.drafters.protocol import RoundContext
+from jaxspec.drafters.protocol import RoundContext, root_token
 from jaxspec.model.kv_cache import HeadCache
+from jaxspec.sampling.tree import gather_nodes
 
 
 def block_causal(num_paths: int, width: int) -> jax.Array:
@@ -195,7 +194,7 @@ class MtpDrafter(ChainOrDynamicTreeShape):
 
             def tree_step(carry, tokens, source, step):
                 outs, paths, kv_stack = carry
-                hidden, paths = gather_slots(outs, source), gather_slots(paths, source)
+                hidden, paths = gather_nodes(outs, source), gather_nodes(paths, source)
                 paths = jnp.where(jnp.arange(depth)[None, None, :] == step - 1, tokens[:, :, None], paths)
                 hidden, logits, kv = run_module(step, hidden, paths)
                 return candidate_scores(logits, ctx.sampling), (hidden, paths, record(kv_stack, step, kv))
