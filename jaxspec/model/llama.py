@@ -23,6 +23,18 @@ from jaxspec.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
 # (jaxspec.model.forward.cached_attention).
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
+# One attention step of a decoder layer: (q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D]) of the N new
+# tokens (rotated) -> (out [B, Hq, N, D], carried). The target's step writes k, v into its KV cache and
+# carries the updated buffers (`cached_attend`); a draft head's step attends over its own key sets and
+# carries the new k, v (`jaxspec.drafters.heads.layers.AttentionInputs`).
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, tuple]]
+
+# Parameter layouts of the decoder layer. "fused": q/k/v in one output-major projection and gate/up in
+# another (the target's: fast on XLA:CPU, whole kv-head groups per tensor-parallel shard). "split":
+# separate NNX Linear layers with [in, out] kernels (the draft heads': the layout their checkpoints use).
+LAYOUTS = ("fused", "split")
+INPUT_NORMS = ("rms", "none", "eagle3")
+
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
@@ -73,92 +85,172 @@ class Projection(nnx.Module):
         return y
 
 
-class Attention(nnx.Module):
-    """Grouped-query attention with q, k and v in one projection.
+def split_linear(din: int, dout: int, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """An NNX Linear (kernel [din, dout]) initialised like `Projection`: the "split" layout's layers."""
+    init = nnx.initializers.normal(0.02)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=init, rngs=rngs)
 
-    qkv_proj.weight is [Hkv, G + 2, D, d] (G = Hq // Hkv): for each kv head, the G query heads it serves
-    (Hugging Face order: query head h * G + g), then its key, then its value. A tensor-parallel shard over
-    kv heads therefore holds whole groups. o_proj.weight is [d, Hq * D].
+
+class Attention(nnx.Module):
+    """Grouped-query attention; the step over keys and values is the caller's (`Attend`).
+
+    layout "fused": qkv_proj.weight is [Hkv, G + 2, D, d] (G = Hq // Hkv): for each kv head, the G query
+    heads it serves (Hugging Face order: query head h * G + g), then its key, then its value. A
+    tensor-parallel shard over kv heads therefore holds whole groups. o_proj.weight is [d, Hq * D].
+    layout "split": q_proj, k_proj, v_proj, o_proj NNX Linear layers; their input may be wider than d
+    (`input_size`, EAGLE-3: 2d).
     """
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        *,
+        layout: str = "fused",
+        input_size: int | None = None,
+    ):
         c = config
         self.config = c
-        group = c.num_heads // c.num_kv_heads
-        self.qkv_proj = Projection(
-            c.hidden_size, (c.num_kv_heads, group + 2, c.head_dim), c.attention_bias, dtype, rngs
-        )
-        self.o_proj = Projection(c.num_heads * c.head_dim, (c.hidden_size,), False, dtype, rngs)
+        self.layout = layout
+        din = c.hidden_size if input_size is None else input_size
+        if layout == "fused":
+            group = c.num_heads // c.num_kv_heads
+            self.qkv_proj = Projection(
+                din, (c.num_kv_heads, group + 2, c.head_dim), c.attention_bias, dtype, rngs
+            )
+            self.o_proj = Projection(c.num_heads * c.head_dim, (c.hidden_size,), False, dtype, rngs)
+        else:
+            self.q_proj = split_linear(din, c.num_heads * c.head_dim, c.attention_bias, dtype, rngs)
+            self.k_proj = split_linear(din, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
+            self.v_proj = split_linear(din, c.num_kv_heads * c.head_dim, c.attention_bias, dtype, rngs)
+            self.o_proj = split_linear(c.num_heads * c.head_dim, c.hidden_size, False, dtype, rngs)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype)
 
     def rotated_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
-        """x [B, N, d], cos/sin [B, N, D] -> q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D]; q and k
-        normalised per head when config.qk_norm (Qwen3), then rotated."""
+        """x [B, N, Din], cos/sin [B, N, D] -> q [B, Hq, N, D], k [B, Hkv, N, D], v [B, Hkv, N, D]; q and
+        k normalised per head when config.qk_norm (Qwen3), then rotated."""
         c = self.config
         b, n, _ = x.shape
-        qkv = self.qkv_proj(x)  # [B, N, Hkv, G + 2, D]
-        group = c.num_heads // c.num_kv_heads
-        q = qkv[:, :, :, :group].reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
-        k = qkv[:, :, :, group].transpose(0, 2, 1, 3)
-        v = qkv[:, :, :, group + 1].transpose(0, 2, 1, 3)
+        if self.layout == "fused":
+            qkv = self.qkv_proj(x)  # [B, N, Hkv, G + 2, D]
+            group = c.num_heads // c.num_kv_heads
+            q = qkv[:, :, :, :group].reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+            k = qkv[:, :, :, group].transpose(0, 2, 1, 3)
+            v = qkv[:, :, :, group + 1].transpose(0, 2, 1, 3)
+        else:
+            q = self.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(0, 2, 1, 3)
+            k = self.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+            v = self.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(0, 2, 1, 3)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, attend: Attend
+    ) -> tuple[jax.Array, tuple]:
+        """x [B, N, Din] -> (out [B, N, d], what `attend` carries)."""
+        c = self.config
+        b, n, _ = x.shape
+        out, carried = attend(*self.rotated_qkv(x, cos, sin))
+        out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
+        return self.o_proj(out), carried
+
+
+def cached_attend(
+    attention_fn: AttentionFn,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    tree_mask: jax.Array,
+    scale: float,
+) -> Attend:
+    """The target's step for one layer: attention_fn (`jaxspec.model.forward.cached_attention`) writes the
+    N new keys/values into the caches [B, Hkv, S, D] at [lengths, lengths + N) and attends over prefix +
+    visible new tokens; carries (k_cache, v_cache)."""
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple]:
+        out, k_cache_, v_cache_ = attention_fn(q, k_cache, v_cache, lengths, k, v, tree_mask, scale=scale)
+        return out, (k_cache_, v_cache_)
+
+    return attend
+
+
+class MLP(nnx.Module):
+    """SwiGLU. layout "fused": gate and up in one projection, gate_up_proj.weight [2, f, d], down_proj.weight
+    [d, f]; "split": gate_proj, up_proj, down_proj NNX Linear layers (kernels [in, out])."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, *, layout: str = "fused"):
+        d, f = config.hidden_size, config.intermediate_size
+        self.layout = layout
+        if layout == "fused":
+            self.gate_up_proj = Projection(d, (2, f), False, dtype, rngs)
+            self.down_proj = Projection(f, (d,), False, dtype, rngs)
+        else:
+            self.gate_proj = split_linear(d, f, False, dtype, rngs)
+            self.up_proj = split_linear(d, f, False, dtype, rngs)
+            self.down_proj = split_linear(f, d, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.layout == "split":
+            return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
+
+
+class DecoderLayer(nnx.Module):
+    """One Llama decoder layer: the target's and every draft head's (one implementation).
+
+    layout: "fused" (the target) or "split" (heads), see `LAYOUTS`. input_norm: "rms" (standard:
+    input_layernorm(x)), "none" (EAGLE-1's layer 0: x as is) or "eagle3" ([input_layernorm(embeddings);
+    hidden_norm(x)], a 2d-wide attention input). The residual is x.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        *,
+        layout: str = "fused",
+        input_norm: str = "rms",
+    ):
+        if layout not in LAYOUTS:
+            raise ValueError(f"DecoderLayer: layout must be one of {LAYOUTS}, got {layout!r}")
+        if input_norm not in INPUT_NORMS:
+            raise ValueError(f"DecoderLayer: input_norm must be rms|none|eagle3, got {input_norm!r}")
+        d = config.hidden_size
+        self.input_norm = input_norm
+        if input_norm != "none":
+            self.input_layernorm = RMSNorm(d, config.rms_norm_eps, dtype)
+        if input_norm == "eagle3":
+            self.hidden_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        attn_in = 2 * d if input_norm == "eagle3" else d
+        self.self_attn = Attention(config, dtype, rngs, layout=layout, input_size=attn_in)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs, layout=layout)
 
     def __call__(
         self,
         x: jax.Array,
         cos: jax.Array,
         sin: jax.Array,
-        k_cache: jax.Array,
-        v_cache: jax.Array,
-        lengths: jax.Array,
-        tree_mask: jax.Array,
-        attention_fn: AttentionFn,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, N, d], caches [B, Hkv, S, D] -> (out [B, N, d], k_cache, v_cache with the N new keys
-        and values written at [lengths, lengths + N)).
-
-        attention_fn writes the window and attends (`jaxspec.model.forward.cached_attention`).
-        """
-        c = self.config
-        b, n, _ = x.shape
-        q, k, v = self.rotated_qkv(x, cos, sin)
-        scale = c.head_dim**-0.5
-        out, k_cache, v_cache = attention_fn(q, k_cache, v_cache, lengths, k, v, tree_mask, scale=scale)
-        out = out.transpose(0, 2, 1, 3).reshape(b, n, c.num_heads * c.head_dim)
-        return self.o_proj(out), k_cache, v_cache
-
-
-class MLP(nnx.Module):
-    """SwiGLU with gate and up in one projection: gate_up_proj.weight [2, f, d], down_proj.weight [d, f]."""
-
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = Projection(d, (2, f), False, dtype, rngs)
-        self.down_proj = Projection(f, (d,), False, dtype, rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype, rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs)
-
-    def __call__(self, x, cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn):
-        attn, k_cache, v_cache = self.self_attn(
-            self.input_layernorm(x), cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn
-        )
+        attend: Attend,
+        embeddings: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple]:
+        """x [B, N, d] (embeddings [B, N, d] for "eagle3") -> (out [B, N, d], what `attend` carries)."""
+        if self.input_norm == "rms":
+            attn_in = self.input_layernorm(x)
+        elif self.input_norm == "none":
+            attn_in = x
+        else:
+            attn_in = jnp.concatenate([self.input_layernorm(embeddings), self.hidden_norm(x)], axis=-1)
+        attn, carried = self.self_attn(attn_in, cos, sin, attend)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, k_cache, v_cache
+        return x, carried
 
 
 class LlamaModel(nnx.Module):
@@ -188,8 +280,13 @@ class LlamaModel(nnx.Module):
         (x, the buffers with the N new entries written). Subclasses whose layers keep another cache
         (`jaxspec.model.deepseek_v3`: latents and rope keys) override this and `rotary`."""
 
+        scale = self.config.head_dim**-0.5
+
         def run(layer, x, cos, sin, k_cache, v_cache):
-            return layer(x, cos, sin, k_cache, v_cache, lengths, tree_mask, attention_fn)
+            x, (k_cache, v_cache) = layer(
+                x, cos, sin, cached_attend(attention_fn, k_cache, v_cache, lengths, tree_mask, scale)
+            )
+            return x, k_cache, v_cache
 
         return run
 

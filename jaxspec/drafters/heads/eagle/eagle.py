@@ -23,21 +23,20 @@ from flax import nnx
 from jaxspec.drafters.heads.configs import EagleConfig
 from jaxspec.drafters.heads.layers import (
     AttentionInputs,
-    HeadDecoderLayer,
     causal_visible,
     empty_cache_inputs,
-    head_linear,
     rope_for,
 )
+from jaxspec.model.llama import DecoderLayer, split_linear
 
 
 class EagleHead(nnx.Module):
     def __init__(self, config: EagleConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         d = config.layer.hidden_size
         self.config = config
-        self.fc = head_linear(2 * d, d, config.fc_bias, dtype, rngs)
-        self.layer = HeadDecoderLayer(
-            config.layer, dtype, rngs, input_norm="rms" if config.input_norm else "none"
+        self.fc = split_linear(2 * d, d, config.fc_bias, dtype, rngs)
+        self.layer = DecoderLayer(
+            config.layer, dtype, rngs, layout="split", input_norm="rms" if config.input_norm else "none"
         )
 
     def embed(self, tokens: jax.Array, target_embed: Callable[[jax.Array], jax.Array]) -> jax.Array:
@@ -52,7 +51,8 @@ class EagleHead(nnx.Module):
         """embeddings/hidden [B, N, d], positions [B, N] -> (next features [B, N, d], keys, values)."""
         x = self.fc(jnp.concatenate([embeddings, hidden.astype(embeddings.dtype)], axis=-1))
         cos, sin = rope_for(self.config.layer, positions)
-        return self.layer(x, cos, sin, inputs)
+        out, (k, v) = self.layer(x, cos, sin, inputs)
+        return out, k, v
 
     def logits(self, hidden: jax.Array, target_lm: Callable[[jax.Array], jax.Array]) -> jax.Array:
         return target_lm(hidden).astype(jnp.float32)

@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.drafters.heads.configs import Eagle3Config
-from jaxspec.drafters.heads.layers import AttentionInputs, HeadDecoderLayer, VocabMap, head_linear, rope_for
-from jaxspec.model.llama import RMSNorm
+from jaxspec.drafters.heads.layers import AttentionInputs, VocabMap, rope_for
+from jaxspec.model.llama import DecoderLayer, RMSNorm, split_linear
 
 
 class Eagle3Head(nnx.Module):
@@ -33,10 +33,10 @@ class Eagle3Head(nnx.Module):
         c = config.layer
         d, v, vd = c.hidden_size, c.vocab_size, config.draft_vocab_size
         self.config = config
-        self.fc = head_linear(3 * config.target_hidden_size, d, False, dtype, rngs)
-        self.layer = HeadDecoderLayer(c, dtype, rngs, input_norm="eagle3")
+        self.fc = split_linear(3 * config.target_hidden_size, d, False, dtype, rngs)
+        self.layer = DecoderLayer(c, dtype, rngs, layout="split", input_norm="eagle3")
         self.norm = RMSNorm(d, c.rms_norm_eps, dtype)
-        self.lm_head = head_linear(d, vd, False, dtype, rngs)
+        self.lm_head = split_linear(d, vd, False, dtype, rngs)
         if config.own_embedding:
             self.embed_tokens = nnx.Embed(
                 v, d, dtype=dtype, param_dtype=dtype, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
@@ -58,7 +58,8 @@ class Eagle3Head(nnx.Module):
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cos, sin = rope_for(self.config.layer, positions)
-        return self.layer(hidden.astype(embeddings.dtype), cos, sin, inputs, embeddings=embeddings)
+        out, (k, v) = self.layer(hidden.astype(embeddings.dtype), cos, sin, inputs, embeddings=embeddings)
+        return out, k, v
 
     def draft_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., d] -> float32 logits over the draft vocabulary [..., V_draft]."""

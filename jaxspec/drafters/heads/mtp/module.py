@@ -24,10 +24,8 @@ from flax import nnx
 from jaxspec.drafters.heads.configs import MtpConfig
 from jaxspec.drafters.heads.layers import (
     AttentionInputs,
-    HeadDecoderLayer,
     causal_visible,
     empty_cache_inputs,
-    head_linear,
     rope_for,
 )
 from jaxspec.model.config import ModelConfig
@@ -38,7 +36,7 @@ from jaxspec.model.deepseek_v3.model import (
     rope_cos_sin,
     softmax_scale,
 )
-from jaxspec.model.llama import RMSNorm
+from jaxspec.model.llama import DecoderLayer, RMSNorm, split_linear
 
 
 class MtpModule(nnx.Module):
@@ -48,20 +46,21 @@ class MtpModule(nnx.Module):
         self.config = config
         self.enorm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(d, c.rms_norm_eps, dtype)
-        self.eh_proj = head_linear(2 * d, d, False, dtype, rngs)
+        self.eh_proj = split_linear(2 * d, d, False, dtype, rngs)
         self.block = self.make_block(c, dtype, rngs)
         self.final_norm = RMSNorm(d, c.rms_norm_eps, dtype)
 
     def make_block(self, layer: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Module:
         """The module's decoder block (a Llama-family layer; DeepSeek-V3's MTP overrides it)."""
-        return HeadDecoderLayer(layer, dtype, rngs, input_norm="rms")
+        return DecoderLayer(layer, dtype, rngs, layout="split", input_norm="rms")
 
     def run_block(
         self, x: jax.Array, positions: jax.Array, inputs: AttentionInputs
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, N, d], positions [B, N] -> (block output [B, N, d], own keys, own values)."""
         cos, sin = rope_for(self.config.layer, positions)
-        return self.block(x, cos, sin, inputs)
+        out, (k, v) = self.block(x, cos, sin, inputs)
+        return out, k, v
 
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
