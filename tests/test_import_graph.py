@@ -148,7 +148,7 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path)
 
 def test_the_top_level_holds_only_the_api_and_cross_cutting_modules():
     modules = {p.stem for p in PACKAGE_DIR.glob("*.py")}
-    packages = {p.name for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").is_file()}
+    packages = {p.name for p in PACKAGE_DIR.iterdir() if p.is_dir() and any(p.glob("*.py"))}
     assert modules == TOP_LEVEL_MODULES, f"top-level modules: {sorted(modules ^ TOP_LEVEL_MODULES)}"
     assert packages == SUBPACKAGES, f"subpackages: {sorted(packages ^ SUBPACKAGES)}"
 
@@ -160,6 +160,19 @@ def test_every_head_family_has_one_home_with_its_drafter_and_loader():
     for family in families:
         files = {p.stem for p in (heads / family).glob("*.py")}
         assert {"__init__", "drafter", "loader"} <= files, (family, files)
+
+
+def test_the_readme_layout_names_every_module_of_the_core_packages():
+    readme = (PACKAGE_DIR.parent / "README.md").read_text()
+    start = readme.index("## Layout")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    missing = [f"{name}.py" for name in TOP_LEVEL_MODULES if f"{name}.py" not in section]
+    missing += [f"{name}/" for name in SUBPACKAGES if f"{name}/" not in section]
+    for package in ("model", "loading", "decoding", "sampling", "drafters", "batch"):
+        for path in (PACKAGE_DIR / package).rglob("*.py"):
+            if path.stem != "__init__" and path.stem not in section:
+                missing.append(str(path.relative_to(PACKAGE_DIR)))
+    assert not missing, f"README.md's Layout section does not name: {missing}"
 
 
 if __name__ == "__main__":

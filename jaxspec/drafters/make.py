@@ -1,17 +1,5 @@
-"""Drafters: who proposes the draft tree each round.
-
-A drafter is a frozen (hashable) dataclass, static to `jax.jit`, with pure methods; its trainable or
-loaded weights travel separately as `draft_params` (a traced pytree), its per-request memory as a
-state pytree in the loop carry:
-
-  init(draft_params, target_params, prefill_result, requests, max_len) -> state
-  propose(draft_params, target_params, state, ctx: RoundContext) -> (DraftTree with num_nodes nodes, state)
-  update(draft_params, target_params, state, ctx, tree, verify_result, features, active) -> state
-
-`features` holds the target's outputs along the accepted path (no second target pass):
-  {"hidden": [B, P, d] final hidden states, "captured": tuple of [B, P, d] chosen layer outputs},
-path entry j being the j-th committed node (root first).
-"""
+"""`make_drafter(model, spec)`: the drafter (static) and its parameters (traced) for a SpecConfig; the
+drafter protocol is in `jaxspec.drafters.protocol` (and the package docstring)."""
 
 from __future__ import annotations
 

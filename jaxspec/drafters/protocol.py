@@ -1,4 +1,5 @@
-"""What a drafter sees each round: committed history, lengths, keys and sampling parameters."""
+"""The Drafter protocol (see `jaxspec.drafters`) and what a drafter sees each round: `RoundContext`
+(committed history, lengths, keys, sampling parameters) and its root token."""
 
 from __future__ import annotations
 
