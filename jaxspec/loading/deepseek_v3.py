@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxspec.errors import ModelLoadError
 from jaxspec.loading.checkpoint_io import TensorSource
-from jaxspec.loading.hf_dir import read_json_object
+from jaxspec.loading.hf_dir import SHARD_INDEX, SINGLE_FILE, read_json_object, read_weight_map
 from jaxspec.model.deepseek_v3.config import DeepseekV3Config, config_from_hf, fp8_block_size
 from jaxspec.model.deepseek_v3.model import DeepseekV3Model
 
@@ -69,19 +69,16 @@ def read_safetensors(file: Path, keep: Callable[[str], bool]) -> dict[str, np.nd
 
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a model directory (from the shard index when there is one)."""
-    index = directory / "model.safetensors.index.json"
+    index = directory / SHARD_INDEX
     if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelLoadError(f"{index}: field 'weight_map' is missing or not an object")
-        files = [directory / name for name in sorted(set(weight_map.values()))]
+        files = [directory / name for name in sorted(set(read_weight_map(index).values()))]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
             raise ModelLoadError(f"{index}: weight_map names missing file(s) {absent[:3]}")
         return files
-    single = directory / "model.safetensors"
+    single = directory / SINGLE_FILE
     if not single.is_file():
-        raise ModelLoadError(f"{directory}: neither model.safetensors nor model.safetensors.index.json found")
+        raise ModelLoadError(f"{directory}: neither {SINGLE_FILE} nor {SHARD_INDEX} found")
     return [single]
 
 
