@@ -18,7 +18,7 @@ cache_lengths, a depth-d draft at cache_lengths + d). Its data lives in draft_pa
 data never recompiles. `ForcedTokens` plants an oracle (tests, acceptance upper bounds); pass hooks to
 `jaxspec.drafters.heads.registry.make_head_drafter`.
 
-The drafter classes live in medusa_drafter.py, eagle_drafter.py and mtp_drafter.py.
+The drafter classes live in the families' subpackages: medusa/drafter.py, eagle/drafter.py, mtp/drafter.py.
 """
 
 from __future__ import annotations
