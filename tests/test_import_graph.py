@@ -3,7 +3,8 @@
 The graph is read statically (ast, nothing imported): an edge A -> B for every import of B in A's
 source, at module level, inside functions and under `if TYPE_CHECKING:` alike, so an import moved into
 a function to dodge a cycle still counts. `from pkg import name` is an edge to the submodule pkg.name
-when that is a module, else to pkg itself.
+when that is a module, else to pkg itself. Between homes (a subpackage or a top-level module) imports
+point one way too, but for the pairs listed in TWO_WAY_HOMES with their reason.
 
 Run against another tree: `python tests/test_import_graph.py PATH/TO/jaxspec` prints its cycles.
 """
@@ -126,6 +127,39 @@ def cycle_report(package_dir: Path) -> list[str]:
 def test_the_package_has_no_import_cycle():
     report = cycle_report(PACKAGE_DIR)
     assert not report, "import cycles in jaxspec/:\n  " + "\n\n  ".join(report)
+
+
+# Homes (subpackages and top-level modules) that import each other, each with its reason. sharding.py is
+# the one table of sharding rules: model/forward runs attention per shard through it, and it places the
+# model's KV caches (model/kv_cache) on the mesh. No module-level cycle results (test above).
+TWO_WAY_HOMES = {frozenset({"jaxspec.model", "jaxspec.sharding"})}
+
+
+def home_edges(edges: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The graph between homes: jaxspec.<subpackage or top-level module>, one edge per importing pair."""
+
+    def home(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, dict[str, int]] = {}
+    for a, targets in edges.items():
+        for b in targets:
+            if home(a) != home(b):
+                out.setdefault(home(a), {}).setdefault(home(b), 0)
+                out[home(a)][home(b)] += 1
+            out.setdefault(home(b), {})
+    return out
+
+
+def test_subpackages_import_one_way():
+    homes = home_edges(import_edges(PACKAGE_DIR))
+    two_way = {frozenset({a, b}) for a in homes for b in homes[a] if a in homes.get(b, {})}
+    assert two_way <= TWO_WAY_HOMES, (
+        f"homes importing each other: {sorted(map(sorted, two_way - TWO_WAY_HOMES))}"
+    )
+    for pair in TWO_WAY_HOMES:
+        pruned = {a: {b: n for b, n in ts.items() if frozenset({a, b}) != pair} for a, ts in homes.items()}
+        assert not cycles(pruned), cycles(pruned)
 
 
 def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path):
