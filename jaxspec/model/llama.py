@@ -239,8 +239,9 @@ class DecoderLayer(nnx.Module):
         sin: jax.Array,
         attend: Attend,
         embeddings: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple]:
-        """x [B, N, d] (embeddings [B, N, d] for "eagle3") -> (out [B, N, d], what `attend` carries)."""
+    ) -> tuple[jax.Array, ...]:
+        """x [B, N, d] (embeddings [B, N, d] for "eagle3") -> (out [B, N, d], *what `attend` carries): the
+        target's (out, k_cache, v_cache), a head's (out, own keys, own values)."""
         if self.input_norm == "rms":
             attn_in = self.input_layernorm(x)
         elif self.input_norm == "none":
@@ -250,7 +251,7 @@ class DecoderLayer(nnx.Module):
         attn, carried = self.self_attn(attn_in, cos, sin, attend)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, carried
+        return x, *carried
 
 
 class LlamaModel(nnx.Module):
@@ -283,7 +284,7 @@ class LlamaModel(nnx.Module):
         scale = self.config.head_dim**-0.5
 
         def run(layer, x, cos, sin, k_cache, v_cache):
-            x, (k_cache, v_cache) = layer(
+            x, k_cache, v_cache = layer(
                 x, cos, sin, cached_attend(attention_fn, k_cache, v_cache, lengths, tree_mask, scale)
             )
             return x, k_cache, v_cache

@@ -51,8 +51,7 @@ class EagleHead(nnx.Module):
         """embeddings/hidden [B, N, d], positions [B, N] -> (next features [B, N, d], keys, values)."""
         x = self.fc(jnp.concatenate([embeddings, hidden.astype(embeddings.dtype)], axis=-1))
         cos, sin = rope_for(self.config.layer, positions)
-        out, (k, v) = self.layer(x, cos, sin, inputs)
-        return out, k, v
+        return self.layer(x, cos, sin, inputs)
 
     def logits(self, hidden: jax.Array, target_lm: Callable[[jax.Array], jax.Array]) -> jax.Array:
         return target_lm(hidden).astype(jnp.float32)

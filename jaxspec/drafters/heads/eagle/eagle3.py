@@ -58,8 +58,7 @@ class Eagle3Head(nnx.Module):
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         cos, sin = rope_for(self.config.layer, positions)
-        out, (k, v) = self.layer(hidden.astype(embeddings.dtype), cos, sin, inputs, embeddings=embeddings)
-        return out, k, v
+        return self.layer(hidden.astype(embeddings.dtype), cos, sin, inputs, embeddings=embeddings)
 
     def draft_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., d] -> float32 logits over the draft vocabulary [..., V_draft]."""

@@ -59,8 +59,7 @@ class MtpModule(nnx.Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, N, d], positions [B, N] -> (block output [B, N, d], own keys, own values)."""
         cos, sin = rope_for(self.config.layer, positions)
-        out, (k, v) = self.block(x, cos, sin, inputs)
-        return out, k, v
+        return self.block(x, cos, sin, inputs)
 
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
