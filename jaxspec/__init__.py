@@ -9,18 +9,19 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from jaxspec.config import ModelConfig, SamplingParams, SpecConfig
+from jaxspec.config import SamplingParams, SpecConfig
 from jaxspec.errors import InputError, JaxspecError, ModelLoadError, TemplateError
-from jaxspec.load import load  # eager (it imports jax when called): the submodule never shadows it
+from jaxspec.loading.loader import load  # eager (it imports jax when called): the submodule never shadows it
+from jaxspec.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from jaxspec.generation import Completion, generate
-    from jaxspec.model import Model
+    from jaxspec.decoding.generate import Completion, generate
+    from jaxspec.model.target import Model
 
 _LAZY = {
-    "Completion": "jaxspec.generation",
-    "generate": "jaxspec.generation",
-    "Model": "jaxspec.model",
+    "Completion": "jaxspec.decoding.generate",
+    "generate": "jaxspec.decoding.generate",
+    "Model": "jaxspec.model.target",
 }
 
 __all__ = [

@@ -21,10 +21,11 @@ def _spec_from_args(args: argparse.Namespace):
 
     A head method (medusa, eagle, eagle3, mtp) without --head uses the head shipped for --model in
     configs/heads/ (found from the package); with neither it is an error (a random head would accept
-    nothing): the same rule as the API (`jaxspec.models.heads.shipped.resolve_head`)."""
+    nothing): the same rule as the API (`jaxspec.drafters.heads.shipped.resolve_head`)."""
     from jaxspec.config import SpecConfig
+    from jaxspec.drafters.heads.configs import HEAD_METHODS
+    from jaxspec.drafters.heads.shipped import shipped_head, shipped_heads_dir
     from jaxspec.errors import InputError
-    from jaxspec.models.heads.shipped import HEAD_METHODS, shipped_head, shipped_heads_dir
 
     if args.spec is None or args.spec.strip().lower() in ("none", "off", "ar"):
         return None
@@ -66,7 +67,7 @@ def _add_generation_args(
 def _demo_default_spec(model: str) -> str | None:
     """EAGLE-3 when a head is shipped for `model` (the best shipped head on the dev prompts: README,
     "Shipped draft heads"; a chain of 3, the depth it was trained for), else autoregressive."""
-    from jaxspec.models.heads.shipped import shipped_head
+    from jaxspec.drafters.heads.shipped import shipped_head
 
     return "eagle3" if shipped_head(model, "eagle3") is not None else None
 
@@ -146,7 +147,7 @@ def _timed_run(
     TTFT: a one-token call (prefill + first token). Decode rate: the tokens after the first over the
     full call's time minus the TTFT, so prompt processing and compilation are not folded into it."""
     import jaxspec
-    from jaxspec.buckets import length_bucket
+    from jaxspec.model.buckets import length_bucket
 
     def run(max_new: int):
         return jaxspec.generate(
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--input", help="JSONL requests: a resumable batch job (fields: README, Batch jobs)")
     gen.add_argument("--output", help="JSONL results (batch job; rerun with the same file to resume)")
-    from jaxspec.batch_job import add_job_options
+    from jaxspec.batch.job import add_job_options
 
     add_job_options(gen.add_argument_group("batch job (with --input)"))
     demo = sub.add_parser(
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "generate" and args.input:
-            from jaxspec.batch_job import main as batch_main
+            from jaxspec.batch.job import main as batch_main
 
             return batch_main(sys.argv[2:] if argv is None else argv[1:])
         if args.command in feature_modules:

@@ -49,8 +49,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.kv_cache import HeadCache, KVCache
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
@@ -119,7 +119,7 @@ PARAM_AXES: dict[tuple[str, str], tuple[str | None, ...]] = {
     ("down_proj", "kernel"): ("mlp", "embed"),
     ("q_norm", "weight"): ("head_dim",),
     ("k_norm", "weight"): ("head_dim",),
-    # DeepSeek-V3 (jaxspec.models.deepseek_v3): MLA per-head projections, routed experts. q_a_proj,
+    # DeepSeek-V3 (jaxspec.model.deepseek_v3): MLA per-head projections, routed experts. q_a_proj,
     # kv_a_proj_with_mqa and the router are replicated; shared experts / dense MLPs use the MLP rows.
     ("q_b_proj", "weight"): ("mla_heads", None, None),
     ("q_proj", "weight"): ("mla_heads", None, "embed"),
@@ -336,14 +336,6 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None, rules: ShardingRules = DE
     return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh, rules))
 
 
-def _head_cache_type() -> type | None:
-    try:  # draft heads are optional: without them only KVCache exists
-        from jaxspec.models.heads.layers import HeadCache
-    except ImportError:
-        return None
-    return HeadCache
-
-
 def constrain_head_cache(cache: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
     """Pin a draft head's cache: keys/values [B, Hkv, S, D], or [M, B, Hkv, S, D] (one per MTP module)."""
 
@@ -360,17 +352,15 @@ def constrain_caches(tree: Any, mesh: Mesh | None, rules: ShardingRules = DEFAUL
     shardings. Identity when mesh is None."""
     if mesh is None:
         return tree
-    head_cache = _head_cache_type()
-    cache_types = (KVCache,) if head_cache is None else (KVCache, head_cache)
 
     def pin(x: Any) -> Any:
         if isinstance(x, KVCache):
             return constrain_cache(x, mesh, rules)
-        if head_cache is not None and isinstance(x, head_cache):
+        if isinstance(x, HeadCache):
             return constrain_head_cache(x, mesh, rules)
         return x
 
-    return jax.tree.map(pin, tree, is_leaf=lambda x: isinstance(x, cache_types))
+    return jax.tree.map(pin, tree, is_leaf=lambda x: isinstance(x, (KVCache, HeadCache)))
 
 
 def place_batch(tree: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
@@ -395,8 +385,8 @@ def shard_attention(
 ):
     """Run a tree-attention function (the `tree_attention_reference` signature) per shard.
 
-    returns_cache: attention_fn returns (out, k_cache, v_cache) (`jaxspec.forward.cached_attention`); the
-    caches keep their sharding.
+    returns_cache: attention_fn returns (out, k_cache, v_cache)
+    (`jaxspec.model.forward.cached_attention`); the caches keep their sharding.
 
     Each device attends its own rows and kv heads against its own piece of the KV cache, so the
     attention needs no collective and a Pallas kernel (which XLA cannot partition) sees plain local

@@ -25,7 +25,7 @@ length are never loaded (skipped, not masked). Split 0 also folds in the tree ke
 mask. Each program writes an unnormalised partial (acc, m, denom) in float32 and a few jnp ops merge
 the splits (flash-decoding). Splitting the prefix keeps all SMs streaming when B * Hkv is small.
 
-Long windows: prefill reaches this kernel in chunks of at most 128 tokens (jaxspec.prefill), so the tree
+Long windows: prefill reaches this kernel in chunks of at most 128 tokens (decoding.prefill), so the tree
 block has at most 128 keys whatever the prompt length. Per program the tiles are then q [64, D], one K
 and one V block [64, D] per pipeline stage, tree K/V [128, D], mask [64, 128] int32 and scores /
 probabilities [64, 128] float32: ~210 KiB at D = 128 in bf16 with num_stages = 2 if every tile sat in

@@ -6,7 +6,7 @@
 For each batch size the dev prompts (chat template applied, repeated to fill the batch) give a few
 batches (`--batches`, one count per batch size), their starts spread over the file so that batch 1
 and 4 see every kind of prompt. Each batch is generated greedily, autoregressive and with the
-policy's choice (`jaxspec.spec.policy`, n-gram drafting: training-free). Every compiled shape is
+policy's choice (`jaxspec.drafters.policy`, n-gram drafting: training-free). Every compiled shape is
 warmed up first (compilation excluded); then the configurations run back to back on each batch, so a
 drifting machine load hits them alike. tokens/s is the median over the batches, the speedup the
 median of the per-batch ratios. Greedy speculation is lossless, so both columns generate the same
@@ -15,13 +15,13 @@ the autoregressive program: its column repeats the autoregressive number.
 
 --calibrate also times n-gram drafting at each of --depths (and --topks) per batch size and prints the
 fastest shape per batch size as a policy table (off where nothing beats autoregressive by --margin):
-the measurements behind `jaxspec.spec.policy.default_policy("cpu")`. Prints Markdown tables.
+the measurements behind `jaxspec.drafters.policy.default_policy("cpu")`. Prints Markdown tables.
 
 --continuous: offline throughput on a mixed workload, side by side in one run. --requests requests
 cycle through the dev prompts with max_new_tokens drawn from --mixed-budgets (fixed seed); greedy,
 autoregressive. For each --slots count: jaxspec static batches (`jaxspec.generate` on batches of that
 size, sorted by length bucket as the batch job plans them), jaxspec continuous batching
-(`jaxspec.continuous.generate_continuous`) and, with --peer, Hugging Face transformers batched
+(`jaxspec.decoding.continuous.generate_continuous`) and, with --peer, Hugging Face transformers batched
 `generate` (left padding, same batch size, float32, each batch run to its largest budget, tokens past a
 request's own budget or EOS not counted). Reports total tokens/s, total time, time to the first
 finished request and peak RSS; compilation is excluded (every program is compiled first).
@@ -41,9 +41,9 @@ import time
 import jax
 
 import jaxspec
-from jaxspec.buckets import length_bucket
 from jaxspec.config import SpecConfig
-from jaxspec.spec.policy import PolicyRule, SpeculationPolicy, choose_spec, describe_spec, load_policy
+from jaxspec.drafters.policy import PolicyRule, SpeculationPolicy, choose_spec, describe_spec, load_policy
+from jaxspec.model.buckets import length_bucket
 
 
 @dataclasses.dataclass
@@ -219,7 +219,7 @@ def run_static(model, prompts, budgets, batch_size):
 
 
 def run_continuous_batching(model, prompts, budgets, slots):
-    from jaxspec.continuous import compile_continuous, generate_continuous
+    from jaxspec.decoding.continuous import compile_continuous, generate_continuous
 
     compile_continuous(model, prompts, budgets, slots=slots)
     first = []

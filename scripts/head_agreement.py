@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxspec
     from jaxspec.bench.runner import read_prompts
-    from jaxspec.cache import KVCache
-    from jaxspec.models.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
+    from jaxspec.drafters.heads.configs import Eagle3Config, EagleConfig, MedusaConfig
+    from jaxspec.model.kv_cache import KVCache
     from jaxspec.train.export import load_saved_head
     from jaxspec.train.features import pack_sequences, target_features
     from jaxspec.train.losses import Objective

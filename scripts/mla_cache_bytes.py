@@ -2,7 +2,7 @@
 
     python scripts/mla_cache_bytes.py [configs/deepseek_v3_config.json] [--bytes 2]
 
-Reads the config.json with jaxspec's own reader (`jaxspec.models.deepseek_v3.config`) and prints the
+Reads the config.json with jaxspec's own reader (`jaxspec.model.deepseek_v3.config`) and prints the
 bytes per token summed over the decoder layers (the MTP layer's own cache is one more layer).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jaxspec.models.deepseek_v3.config import kv_cache_bytes_per_token, read_deepseek_config
+from jaxspec.model.deepseek_v3.config import kv_cache_bytes_per_token, read_deepseek_config
 
 DEFAULT = Path(__file__).resolve().parents[1] / "configs" / "deepseek_v3_config.json"
 

@@ -6,8 +6,8 @@ Each component is timed as its own step inside one compiled `lax.fori_loop`
 (`jaxspec.bench.step_costs.median_loop_step_time`), as the generate loop runs it:
 
 * full step: forward over one token + LM head + logits processing + sampling + output append, with
-  the reference attention and with live-block attention (`jaxspec.live_attention`, what
-  `jaxspec.continuous` decodes with on CPU);
+  the reference attention and with live-block attention (`jaxspec.model.live_attention`, what
+  `jaxspec.decoding.continuous` decodes with on CPU);
 * forward at S = max_len (reference and live-block attention) and at S = 16: the 30 layers (their
   matmuls + attention over the padded cache);
 * LM head (tied embedding, [B, d] x [V, d]) + argmax;
@@ -35,13 +35,13 @@ import jax
 import jax.numpy as jnp
 
 import jaxspec
+from jaxspec import sampling
 from jaxspec.bench.step_costs import median_loop_step_time, step_loop
-from jaxspec.cache import KVCache
 from jaxspec.config import SamplingParams
-from jaxspec.forward import lm_logits, model_forward
-from jaxspec.live_attention import live_attention
-from jaxspec.output_buffer import OutputBuffer, append_tokens
-from jaxspec.spec import sampling
+from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens
+from jaxspec.model.forward import lm_logits, model_forward
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.live_attention import live_attention
 
 
 def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int) -> dict[str, float]:

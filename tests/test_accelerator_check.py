@@ -81,7 +81,7 @@ def test_random_weights_are_the_same_model_in_torch_and_jaxspec():
     import torch
 
     from jaxspec.bench.accelerator import MODEL_SHAPES, random_model, torch_random_model
-    from jaxspec.model import _full_logits
+    from jaxspec.model.target import _full_logits
 
     config = MODEL_SHAPES["tiny"].replace(rope_scaling=(8.0, 1.0, 4.0, 64), rope_theta=500000.0)
     torch_model = torch_random_model(config, "float32")

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from jaxspec.batch.job import main
 from jaxspec.batch.requests import RequestDefaults, TokenizedRequest, parse_request, read_requests
 from jaxspec.batch.results import open_results
 from jaxspec.batch.schedule import plan_batches, plan_pending
-from jaxspec.batch_job import main
 from jaxspec.config import SpecConfig
+from jaxspec.drafters.policy import SpeculationPolicy, choose_spec, default_policy, load_policy
 from jaxspec.errors import InputError, JaxspecError
-from jaxspec.spec.policy import SpeculationPolicy, choose_spec, default_policy, load_policy
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def test_per_request_parameters_and_batch_independence(tmp_path, tiny_dir):
 DRIVER = textwrap.dedent(
     """
     import json, os, sys, time
-    import jaxspec.batch_job as job
+    import jaxspec.batch.job as job
     from jaxspec.batch.results import ResultWriter
 
     mode, at = os.environ["KILL_MODE"], int(os.environ.get("KILL_AT", "0"))

@@ -15,8 +15,8 @@ import pytest
 import jaxspec
 from jaxspec.bench.step_costs import single_request
 from jaxspec.config import SamplingParams
-from jaxspec.forward import lm_logits
-from jaxspec.prefill import prefill
+from jaxspec.decoding.prefill import prefill
+from jaxspec.model.forward import lm_logits
 from tests.tiny_models import save_tiny
 
 RELATIVE_TOLERANCE = 0.05  # of the float32 logits' standard deviation

@@ -5,8 +5,8 @@ import argparse
 import pytest
 
 from jaxspec.cli import _demo_default_spec, _spec_from_args
+from jaxspec.drafters.heads.shipped import shipped_heads_dir
 from jaxspec.errors import InputError
-from jaxspec.models.heads.shipped import shipped_heads_dir
 
 
 def _args(**overrides) -> argparse.Namespace:
@@ -41,8 +41,8 @@ def test_demo_drafts_with_the_shipped_eagle3_head_and_falls_back_to_autoregressi
 def test_the_api_resolves_a_missing_head_to_the_one_shipped_for_the_loaded_model():
     """SpecConfig(method=...) without head= on SmolLM2: the head shipped for it (the CLI's rule), looked
     up from the model's resolved file as `jaxspec.load` records it in Model.source."""
+    from jaxspec.drafters.heads.shipped import resolve_head
     from jaxspec.loading.registry import resolve_model_path
-    from jaxspec.models.heads.shipped import resolve_head
 
     source = str(resolve_model_path("smollm2-135m"))
     for method in ("medusa", "eagle", "eagle3", "mtp"):
@@ -59,7 +59,7 @@ def test_help_lists_the_batch_options_without_importing_jax():
     import sys
     import time
 
-    from jaxspec.batch_job import build_parser
+    from jaxspec.batch.job import build_parser
 
     code = (
         "import sys, jaxspec.cli\n"

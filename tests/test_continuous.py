@@ -8,9 +8,9 @@ import pytest
 
 import jaxspec
 from jaxspec.config import SamplingParams
-from jaxspec.continuous import generate_continuous, init_state, run_continuous
+from jaxspec.decoding.continuous import generate_continuous, init_state, run_continuous
+from jaxspec.decoding.generate import check_requests, padded_requests
 from jaxspec.errors import InputError
-from jaxspec.generation import check_requests, padded_requests
 from tests.tiny_models import save_tiny
 
 # Prompts of 1-20 tokens with budgets from 1 to 60 new tokens: requests finish at very different steps

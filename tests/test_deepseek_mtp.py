@@ -12,12 +12,11 @@ import pytest
 from flax import nnx
 
 import jaxspec
-from jaxspec.cache import KVCache
-from jaxspec.forward import causal_mask, model_forward
-from jaxspec.models.deepseek_v3.config import DeepseekV3Config
-from jaxspec.models.deepseek_v3.mtp import DeepseekMtpModule
-from jaxspec.models.heads.mtp import mtp_sequence_forward
-from jaxspec.models.heads.registry import head_for, make_head_drafter
+from jaxspec.drafters.heads.mtp.module import DeepseekMtpModule, mtp_sequence_forward
+from jaxspec.drafters.heads.registry import head_for, make_head_drafter
+from jaxspec.model.deepseek_v3.config import DeepseekV3Config
+from jaxspec.model.forward import causal_mask, model_forward
+from jaxspec.model.kv_cache import KVCache
 from tests import test_heads_engine, test_heads_exactness
 from tests.tiny_deepseek import mtp_reference_logits, save_deepseek, tiny_deepseek, tiny_mtp_layer
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxspec
-from jaxspec.cache import KVCache
+from jaxspec.model.kv_cache import KVCache
 from jaxspec.sharding import cache_spec, make_mesh
 from tests.test_sharding import cache_collectives, collective_shapes, loop_args  # noqa: F401 (fixture)
 from tests.tiny_deepseek import save_deepseek, tiny_deepseek, tiny_mtp_layer

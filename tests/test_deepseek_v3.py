@@ -13,12 +13,12 @@ import torch
 from flax import nnx
 
 import jaxspec
-from jaxspec.cache import KVCache, commit_path
 from jaxspec.errors import ModelLoadError
-from jaxspec.forward import causal_mask, lm_logits, model_forward
-from jaxspec.models.deepseek_v3.config import DeepseekV3Config, read_deepseek_config
-from jaxspec.models.deepseek_v3.model import DeepseekV3Model
-from jaxspec.spec.tree import ancestor_mask, tree_positions
+from jaxspec.model.deepseek_v3.config import DeepseekV3Config, read_deepseek_config
+from jaxspec.model.deepseek_v3.model import DeepseekV3Model
+from jaxspec.model.forward import causal_mask, lm_logits, model_forward
+from jaxspec.model.kv_cache import KVCache, commit_path
+from jaxspec.sampling.tree import ancestor_mask, tree_positions
 from tests.test_tree_verify_commit import TOKENS, make_tree
 from tests.test_tree_verify_commit import _prefill as prefill_cache
 from tests.tiny_deepseek import save_deepseek, tiny_deepseek

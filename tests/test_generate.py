@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import pytest
 
 import jaxspec
-import jaxspec.forward as forward
-from jaxspec.autoregressive import generate_autoregressive
+import jaxspec.model.forward as forward
 from jaxspec.bench.step_costs import single_request
-from jaxspec.cache import write_window
+from jaxspec.decoding.autoregressive import generate_autoregressive
+from jaxspec.model.kv_cache import write_window
 from pallas_kernels import tree_attention
 from tests.tiny_models import save_tiny
 

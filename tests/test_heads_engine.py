@@ -24,14 +24,14 @@ import pytest
 from flax import nnx
 
 import jaxspec
-from jaxspec.cache import KVCache
-from jaxspec.forward import causal_mask, model_forward
-from jaxspec.models.heads import registry
-from jaxspec.models.heads.eagle import eagle_sequence_forward
-from jaxspec.models.heads.medusa import medusa_logits
-from jaxspec.models.heads.mtp import mtp_sequence_forward
-from jaxspec.spec.engine import speculative_loop
-from jaxspec.spec.head_drafters import ForcedTokens, forced_tokens_params
+from jaxspec.decoding.speculative import speculative_loop
+from jaxspec.drafters.heads import registry
+from jaxspec.drafters.heads.drafting import ForcedTokens, forced_tokens_params
+from jaxspec.drafters.heads.eagle.eagle import eagle_sequence_forward
+from jaxspec.drafters.heads.medusa.module import medusa_logits
+from jaxspec.drafters.heads.mtp.module import mtp_sequence_forward
+from jaxspec.model.forward import causal_mask, model_forward
+from jaxspec.model.kv_cache import KVCache
 from tests.tiny_models import save_tiny
 
 PROMPTS = [

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec import sampling
 from jaxspec.config import SamplingParams, SpecConfig
-from jaxspec.forward import lm_logits, model_forward
-from jaxspec.models.heads.registry import make_head_drafter
-from jaxspec.prefill import Requests, prefill
-from jaxspec.spec import sampling
-from jaxspec.spec.round_context import RoundContext
-from jaxspec.spec.tree import DraftTree, ancestor_mask, tree_positions
+from jaxspec.decoding.prefill import Requests, prefill
+from jaxspec.drafters.heads.registry import make_head_drafter
+from jaxspec.drafters.protocol import RoundContext
+from jaxspec.model.forward import lm_logits, model_forward
+from jaxspec.sampling.tree import DraftTree, ancestor_mask, tree_positions
 from tests.test_sampling_exactness import NUM_SAMPLES, bernstein_excess
 from tests.tiny_models import save_tiny
 

@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jaxspec.config import ModelConfig, SpecConfig
+from jaxspec.config import SpecConfig
+from jaxspec.drafters.heads import Eagle3Config, EagleConfig, MedusaConfig, MtpConfig, init_head
+from jaxspec.drafters.heads.configs import head_layer_config
+from jaxspec.drafters.heads.eagle.eagle import eagle_sequence_forward
+from jaxspec.drafters.heads.loaders import load_head
+from jaxspec.drafters.heads.medusa.module import medusa_logits
+from jaxspec.drafters.heads.mtp.module import mtp_sequence_forward
+from jaxspec.drafters.heads.orbax_io import save_head
 from jaxspec.errors import ModelLoadError
-from jaxspec.models.heads import Eagle3Config, EagleConfig, MedusaConfig, MtpConfig, init_head
-from jaxspec.models.heads.configs import head_layer_config
-from jaxspec.models.heads.eagle import eagle_sequence_forward
-from jaxspec.models.heads.loaders import load_head
-from jaxspec.models.heads.medusa import medusa_logits
-from jaxspec.models.heads.mtp import mtp_sequence_forward
-from jaxspec.models.heads.orbax_io import save_head
+from jaxspec.model.config import ModelConfig
 
 TARGET = ModelConfig(
     vocab_size=48,
@@ -437,7 +438,7 @@ def test_spec_head_path_reaches_the_drafter(tmp_path):
     """SpecConfig(head=dir) loads that head (here jaxspec's own format) for make_head_drafter."""
     import dataclasses
 
-    from jaxspec.models.heads.registry import make_head_drafter
+    from jaxspec.drafters.heads.registry import make_head_drafter
 
     head = init_head(OWN_CONFIGS["eagle"], jnp.float32, seed=9)
     save_head(head, tmp_path / "eagle")

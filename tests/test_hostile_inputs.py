@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxspec.batch.job import main
 from jaxspec.batch.output_file import OutputFileError, claim_output
 from jaxspec.batch.results import is_result_record, open_results
-from jaxspec.batch_job import main
 from jaxspec.config import SamplingParams
 from jaxspec.errors import InputError, ModelLoadError, TemplateError
 from jaxspec.loading.chat_template import TemplateLimits, render_chat_template
@@ -411,7 +411,7 @@ def test_garbage_inside_gguf_tensor_data_is_refused_by_name(tmp_path, tiny_dir):
 
     from jaxspec.loading.gguf_reader import read_gguf
     from jaxspec.loading.hf_dir import read_hf_dir
-    from jaxspec.models.weights import state_from_hf_tensors
+    from jaxspec.loading.weights import state_from_hf_tensors
     from tests.test_loading import write_gguf
 
     path = tmp_path / "tiny.gguf"
@@ -442,7 +442,7 @@ def test_garbage_inside_gguf_tensor_data_is_refused_by_name(tmp_path, tiny_dir):
 def test_malformed_torch_checkpoint_is_a_short_load_error(tmp_path, content, message):
     import torch
 
-    from jaxspec.models.heads.checkpoint_io import read_tensors
+    from jaxspec.loading.checkpoint_io import read_tensors
 
     file = tmp_path / "pytorch_model.bin"
     if isinstance(content, bytes):
@@ -457,7 +457,7 @@ def test_malformed_torch_checkpoint_is_a_short_load_error(tmp_path, content, mes
 def test_head_checkpoint_with_a_deleted_chunk_is_a_short_load_error(tmp_path):
     import shutil
 
-    from jaxspec.models.heads.orbax_io import load_own_head
+    from jaxspec.drafters.heads.orbax_io import load_own_head
 
     head = tmp_path / "medusa"
     shutil.copytree(Path(__file__).parent.parent / "configs/heads/smollm2-135m/medusa", head)

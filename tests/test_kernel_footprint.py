@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from jaxspec.bench.step_costs import single_request
-from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig, SamplingParams
-from jaxspec.forward import model_forward
-from jaxspec.models.weights import abstract_model
-from jaxspec.prefill import prefill
+from jaxspec.config import SamplingParams
+from jaxspec.decoding.prefill import prefill
+from jaxspec.loading.weights import abstract_model
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import model_forward
+from jaxspec.model.kv_cache import KVCache
 from pallas_kernels import compat, tpu
 
 LLAMA3_8B = ModelConfig(

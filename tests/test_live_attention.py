@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.live_attention import live_attention
+from jaxspec.model.live_attention import live_attention
 from pallas_kernels.reference import tree_attention_reference
 
 

@@ -13,11 +13,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 
-from jaxspec.config import ModelConfig
 from jaxspec.errors import JaxspecError, ModelLoadError
 from jaxspec.loading import hf_tensor_shapes, read_gguf, read_hf_dir, resolve_model_path
 from jaxspec.loading.gguf_reader import llama3_scaling_from_freq_factors
-from jaxspec.models.rope import inverse_frequencies
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.rope import inverse_frequencies
 
 TINY = dict(
     vocab_size=256,

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.spec.ngram import ngram_chain, ngram_tree
-from jaxspec.spec.tree import ancestor_mask
+from jaxspec.drafters.ngram import ngram_chain, ngram_tree
+from jaxspec.sampling.tree import ancestor_mask
 
 BATCH, WIDTH = 48, 24  # one shape for every test: each static config compiles once
 
@@ -27,7 +27,7 @@ def run(rows, lengths, **kw):
 
 
 def reference_ngram(h, length, num_tokens, ngram_min, ngram_max, num_branches):
-    """Plain-Python statement of the rules in jaxspec/spec/ngram.py's module docstring."""
+    """Plain-Python statement of the rules in jaxspec/drafters/ngram.py's module docstring."""
     ends = []
     for n in range(ngram_max, ngram_min - 1, -1):
         suffix = list(h[length - n : length])

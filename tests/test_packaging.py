@@ -59,8 +59,8 @@ def _run(installed: Path, tmp_path: Path, *args: str) -> str:
 def test_installed_package_finds_configs_from_any_folder(installed, tmp_path):
     code = (
         "import jaxspec, jaxspec.resources as r\n"
-        "from jaxspec.models.heads.shipped import shipped_head\n"
-        "from jaxspec.spec.tree_build import load_tree_preset\n"
+        "from jaxspec.drafters.heads.shipped import shipped_head\n"
+        "from jaxspec.drafters.tree_build import load_tree_preset\n"
         "print(jaxspec.__file__)\n"
         "print(r.configs_dir())\n"
         "print(shipped_head('smollm2-135m', 'eagle3'))\n"

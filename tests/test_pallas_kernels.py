@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
 
-from jaxspec.prefill import PREFILL_CHUNK
-from jaxspec.spec.tree import DraftTree, ancestor_mask
+from jaxspec.decoding.prefill import PREFILL_CHUNK
+from jaxspec.sampling.tree import DraftTree, ancestor_mask
 from pallas_kernels import (
     compat,
     dispatch,

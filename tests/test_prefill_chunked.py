@@ -12,7 +12,7 @@ import pytest
 import jaxspec
 from jaxspec.bench.step_costs import single_request
 from jaxspec.config import SamplingParams
-from jaxspec.prefill import PREFILL_CHUNK, prefill, prefill_chunk_size
+from jaxspec.decoding.prefill import PREFILL_CHUNK, prefill, prefill_chunk_size
 from tests.tiny_models import save_tiny
 
 

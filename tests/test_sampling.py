@@ -1,4 +1,4 @@
-"""Unit tests of jaxspec.spec.sampling: logits processing, keys, sampling and tree verification."""
+"""Unit tests of jaxspec.sampling: logits processing, keys, sampling and tree verification."""
 
 import jax
 import jax.numpy as jnp
@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from jaxspec import config as jaxspec_config
+from jaxspec import sampling
 from jaxspec.config import SamplingParams
-from jaxspec.spec import sampling
-from jaxspec.spec.sampling import SamplingArrays, process_logits, verify_tree
-from jaxspec.spec.tree import DraftTree, chain_tree
+from jaxspec.sampling.processors import SamplingArrays, process_logits
+from jaxspec.sampling.tree import DraftTree, chain_tree
+from jaxspec.sampling.verify import verify_tree
 
 
 def reference_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

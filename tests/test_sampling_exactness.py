@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec import sampling
 from jaxspec.config import SamplingParams
-from jaxspec.spec import sampling
-from jaxspec.spec.sampling import SamplingArrays
-from jaxspec.spec.tree import DraftTree
+from jaxspec.sampling import verify
+from jaxspec.sampling.processors import SamplingArrays
+from jaxspec.sampling.tree import DraftTree
 
 NUM_SAMPLES = 100_000
 FAILURE_PROBABILITY = 1e-6
@@ -206,15 +207,15 @@ def exact_walk(tree, target_probs, keys, *, max_depth, variant=None):
         tested = p_node if variant == "no_sibling_update" else residual
         is_child = candidate[:, c] & (tree.parent[:, c] == node)
         token = tree.tokens[:, c]
-        draft_q = sampling._draft_distribution(tree, c, vocab)
+        draft_q = verify._draft_distribution(tree, c, vocab)
         coin_key = 0 if variant == "shared_key" else c
-        coin = sampling._uniform_rows(sampling.fold_in_rows(accept_keys, coin_key))
-        accept = is_child & sampling._accept_test(tested, draft_q, token, coin)
+        coin = verify._uniform_rows(sampling.fold_in_rows(accept_keys, coin_key))
+        accept = is_child & verify._accept_test(tested, draft_q, token, coin)
         reject = is_child & ~accept
         residual = jnp.where(
             accept[:, None],
             target_probs[:, c],
-            jnp.where(reject[:, None], sampling._residual_distribution(tested, draft_q), residual),
+            jnp.where(reject[:, None], verify._residual_distribution(tested, draft_q), residual),
         )
         node = jnp.where(accept, c, node)
         rejected_here = jnp.where(accept, False, rejected_here | reject)
@@ -224,8 +225,8 @@ def exact_walk(tree, target_probs, keys, *, max_depth, variant=None):
     last, residual, rejected_here = jax.lax.fori_loop(1, num_nodes, visit, init)
     if variant == "resample_from_p":
         residual = jnp.take_along_axis(target_probs, last[:, None, None], axis=1)[:, 0]
-    next_token = sampling._sample_next_token(residual, keys, rejected_here)
-    return sampling._result_from_last_node(tree, last, next_token, max_depth)
+    next_token = verify._sample_next_token(residual, keys, rejected_here)
+    return verify._result_from_last_node(tree, last, next_token, max_depth)
 
 
 @pytest.mark.parametrize("sampled", [True, False])

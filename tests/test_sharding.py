@@ -17,11 +17,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxspec
-from jaxspec.cache import KVCache
 from jaxspec.config import SamplingParams, SpecConfig
-from jaxspec.forward import attention_for
-from jaxspec.models.heads.layers import HeadCache
-from jaxspec.prefill import Requests, prefill
+from jaxspec.decoding import speculative as engine
+from jaxspec.decoding.prefill import Requests, prefill
+from jaxspec.model.forward import attention_for
+from jaxspec.model.kv_cache import HeadCache, KVCache
+from jaxspec.sampling.processors import SamplingArrays
 from jaxspec.sharding import (
     ShardingRules,
     cache_spec,
@@ -33,8 +34,6 @@ from jaxspec.sharding import (
     parse_mesh_shape,
     place_batch,
 )
-from jaxspec.spec import engine
-from jaxspec.spec.sampling import SamplingArrays
 from pallas_kernels import tree_attention_reference
 from tests.tiny_models import save_tiny
 

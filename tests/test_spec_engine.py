@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import jaxspec
-import jaxspec.spec.engine as engine
+import jaxspec.decoding.speculative as engine
 from jaxspec.bench.step_costs import single_request
-from jaxspec.cache import KVCache, _read_rows, _write_rows
-from jaxspec.spec.drafters import make_drafter
-from jaxspec.spec.engine import speculative_loop
+from jaxspec.decoding.speculative import speculative_loop
+from jaxspec.drafters.make import make_drafter
+from jaxspec.model.kv_cache import KVCache, _read_rows, _write_rows
 from tests.tiny_models import save_tiny
 
 REPETITIVE = [3, 14, 15, 92, 65, 35, 89, 79]

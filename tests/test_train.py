@@ -25,7 +25,7 @@ def self_distilled_rows(model, n: int, length: int = 24, prompt_len: int = 4, se
     """The tiny target's own greedy continuations of random prompts (labels = the target's argmax)."""
     import jax.numpy as jnp
 
-    from jaxspec.forward import lm_logits
+    from jaxspec.model.forward import lm_logits
     from jaxspec.train.features import target_features
 
     @jax.jit
@@ -288,7 +288,7 @@ if sys.argv[1] == "features":
 else:
     # Pace the appends (a tiny model can finish every request within one poll of the parent, which then
     # kills a finished run): the kill lands mid-run every time.
-    import time, jaxspec.continuous as continuous
+    import time, jaxspec.decoding.continuous as continuous
     unpaced = continuous.generate_continuous
     def paced(*a, on_finished, **k):
         return unpaced(*a, on_finished=lambda done: (on_finished(done), time.sleep(0.25)), **k)
@@ -307,7 +307,7 @@ def _kill_when(proc, ready, timeout=300):
 
 @pytest.mark.slow
 def test_kill_during_feature_writing_and_distillation_loses_nothing(tiny, tiny_model, rows, store, tmp_path):
-    from jaxspec.generation import generate, request_id_from_string
+    from jaxspec.decoding.generate import generate, request_id_from_string
     from jaxspec.train.distill import distill
     from jaxspec.train.features import FeatureStore, write_features
 
@@ -490,9 +490,9 @@ def test_heads_started_from_the_target_compute_its_last_layer(tiny_model, method
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxspec.forward import lm_logits
-    from jaxspec.models.heads.layers import causal_visible, empty_cache_inputs, rope_for
-    from jaxspec.models.heads.mtp import module_params
+    from jaxspec.drafters.heads.layers import causal_visible, empty_cache_inputs, rope_for
+    from jaxspec.drafters.heads.mtp.module import module_params
+    from jaxspec.model.forward import lm_logits
     from jaxspec.train.features import target_features
     from jaxspec.train.head_setup import head_config_for, init_from_target, new_head
 
@@ -533,7 +533,7 @@ def test_soft_targets_are_the_targets_own_distribution_at_the_label_position(tin
     next token is the label; soft_weight = w mixes the hard and soft losses linearly."""
     import jax.numpy as jnp
 
-    from jaxspec.forward import lm_logits
+    from jaxspec.model.forward import lm_logits
     from jaxspec.train.head_setup import head_config_for, new_head
     from jaxspec.train.losses import Objective, label_mask, masked_mean, soft_ce
     from jaxspec.train.trainer import split_trainable
@@ -557,13 +557,13 @@ def test_soft_targets_are_the_targets_own_distribution_at_the_label_position(tin
     target = jax.nn.softmax(lm_logits(tiny_model.graphdef, tiny_model.params, hidden), -1)
     target_next = jnp.concatenate([target[:, 1:], jnp.zeros_like(target[:, :1])], axis=1)
     if method == "medusa":
-        from jaxspec.models.heads.medusa import medusa_logits
+        from jaxspec.drafters.heads.medusa.module import medusa_logits
 
         target_lm = lambda x: lm_logits(tiny_model.graphdef, tiny_model.params, x)  # noqa: E731
         logits = medusa_logits(head.graphdef, head.params, hidden, target_lm)[:, :, 0]
     else:
-        from jaxspec.forward import embed_tokens
-        from jaxspec.models.heads.mtp import mtp_sequence_forward
+        from jaxspec.drafters.heads.mtp.module import mtp_sequence_forward
+        from jaxspec.model.forward import embed_tokens
 
         next_tokens = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], 1)
         embeddings = embed_tokens(tiny_model.graphdef, tiny_model.params, next_tokens)

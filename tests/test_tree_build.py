@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.spec.tree import ancestor_mask, chain_tree
-from jaxspec.spec.tree_build import (
+from jaxspec.drafters.tree_build import (
     TREE_PRESETS_PATH,
     FrontierExpansion,
     candidate_pool_offset,
@@ -21,6 +20,7 @@ from jaxspec.spec.tree_build import (
     stack_candidates,
     static_tree_from_choices,
 )
+from jaxspec.sampling.tree import ancestor_mask, chain_tree
 
 
 def brute_force_ancestors(parent, valid):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.cache import KVCache, commit_path
-from jaxspec.forward import causal_mask, lm_logits, model_forward
-from jaxspec.spec.tree import DraftTree, ancestor_mask, tree_positions
+from jaxspec.model.forward import causal_mask, lm_logits, model_forward
+from jaxspec.model.kv_cache import KVCache, commit_path
+from jaxspec.sampling.tree import DraftTree, ancestor_mask, tree_positions
 from tests.tiny_models import save_tiny
 
 # A tree of 7 nodes: root 0; children 1, 2; 1 -> 3, 4; 2 -> 5; 4 -> 6.

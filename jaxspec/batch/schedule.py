@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from jaxspec.batch.requests import TokenizedRequest
-from jaxspec.buckets import length_bucket
+from jaxspec.model.buckets import length_bucket
 
 
 def bucket_key(item: TokenizedRequest) -> tuple[int, int]:

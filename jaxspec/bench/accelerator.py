@@ -33,12 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec import sampling
 from jaxspec.bench.kernels import DEFAULT_PEAK_GBPS, kv_bytes, make_inputs, median_seconds
 from jaxspec.bench.step_costs import forward_step_times
-from jaxspec.buckets import length_bucket
-from jaxspec.config import ModelConfig, SamplingParams
-from jaxspec.prefill import Requests
-from jaxspec.spec import sampling
+from jaxspec.config import SamplingParams
+from jaxspec.decoding.prefill import Requests
+from jaxspec.model.buckets import length_bucket
+from jaxspec.model.config import ModelConfig
 from pallas_kernels import tree_attention
 
 MODEL_SHAPES = {
@@ -214,13 +215,13 @@ def random_model(config: ModelConfig, dtype: str, torch_model=None):
     """(graphdef, params): the torch model's weights when given (same weights on both sides), else a
     random jax initialisation."""
     if torch_model is not None:
-        from jaxspec.models.weights import state_from_hf_tensors
+        from jaxspec.loading.weights import state_from_hf_tensors
 
         tensors = {name: _to_numpy(t) for name, t in torch_model.state_dict().items()}
         return state_from_hf_tensors(config, tensors, jnp.dtype(dtype), source="random torch weights")
     from flax import nnx
 
-    from jaxspec.models.llama import LlamaModel
+    from jaxspec.model.llama import LlamaModel
 
     return nnx.split(LlamaModel(config, jnp.dtype(dtype), rngs=nnx.Rngs(0)))
 
@@ -257,7 +258,7 @@ def jaxspec_ar(
     graphdef, params, config: ModelConfig, prompt: np.ndarray, new_tokens: int, attention: str = "auto"
 ) -> dict:
     """Autoregressive greedy generation at batch 1 (the compiled prefill + decode loop)."""
-    from jaxspec.autoregressive import generate_autoregressive
+    from jaxspec.decoding.autoregressive import generate_autoregressive
 
     p = length_bucket(len(prompt))
     tokens = np.zeros((1, p), np.int32)

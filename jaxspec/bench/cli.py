@@ -118,7 +118,8 @@ def _environment(peer: bool) -> str:
 
 def _default_heads(model: str, given: dict[str, str]) -> dict[str, str]:
     """--heads, completed with the heads shipped in configs/heads/MODEL/METHOD (found from the package)."""
-    from jaxspec.models.heads.shipped import HEAD_METHODS, shipped_head
+    from jaxspec.drafters.heads.configs import HEAD_METHODS
+    from jaxspec.drafters.heads.shipped import shipped_head
 
     heads = dict(given)
     for method in HEAD_METHODS:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.spec.tree import DraftTree, ancestor_mask
+from jaxspec.sampling.tree import DraftTree, ancestor_mask
 
 DEFAULT_PEAK_GBPS = {"gpu": 4800.0, "tpu": 819.0}  # H200 HBM3e, TPU v5e
 

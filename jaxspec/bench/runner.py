@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxspec.buckets import batch_bucket, length_bucket
 from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.drafters.heads.shipped import RANDOM_HEAD
 from jaxspec.errors import InputError, JaxspecError
-from jaxspec.models.heads.shipped import RANDOM_HEAD
+from jaxspec.model.buckets import batch_bucket, length_bucket
 
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
 CHAIN_ONLY = ("draft_model",)
@@ -181,7 +181,7 @@ def available(model, variant: Variant) -> str | None:
     """None when the variant can run, else why not (e.g. its draft head module does not exist yet)."""
     if variant.spec is None:
         return None
-    from jaxspec.spec.drafters import make_drafter
+    from jaxspec.drafters.make import make_drafter
 
     try:
         make_drafter(model, variant.spec)

@@ -8,7 +8,7 @@ LM head, sampling). Their ratio v = verify / decode says how much a wider forwar
 hardware (the speedup model assumes v = 1).
 
 The draft round is `drafter.propose` with a RoundContext built from a real prefill of a real prompt,
-so any drafter that follows the protocol in jaxspec/spec/drafters.py is timed the same way.
+so any drafter that follows the protocol in jaxspec/drafters/make.py is timed the same way.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.buckets import length_bucket
-from jaxspec.cache import KVCache
+from jaxspec import sampling
 from jaxspec.config import SamplingParams, SpecConfig
-from jaxspec.forward import lm_logits, model_forward
-from jaxspec.prefill import PrefillResult, Requests, prefill
-from jaxspec.spec import sampling
-from jaxspec.spec.round_context import RoundContext
-from jaxspec.spec.tree import DraftTree, ancestor_mask, tree_positions
+from jaxspec.decoding.prefill import PrefillResult, Requests, prefill
+from jaxspec.drafters.protocol import RoundContext
+from jaxspec.model.buckets import length_bucket
+from jaxspec.model.forward import lm_logits, model_forward
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.sampling.tree import DraftTree, ancestor_mask, tree_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +210,7 @@ def measure_step_costs(
     """Time the prefill, the decode step, the verify step and the draft round of `spec` (None or
     method None: autoregressive, no draft) after a real prefill of `prompt_ids` (batch 1, shapes as
     `jaxspec.generate` would bucket them)."""
-    from jaxspec.spec.drafters import make_drafter
+    from jaxspec.drafters.make import make_drafter
 
     spec = spec or SpecConfig()
     requests = single_request(prompt_ids, max_new_tokens, sampling_params or SamplingParams())

@@ -17,10 +17,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from jaxspec.config import ModelConfig
 from jaxspec.errors import ModelLoadError
 from jaxspec.loading.hf_dir import hf_tensor_shapes
-from jaxspec.models.rope import inverse_frequencies
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.rope import inverse_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _Q = GGMLQuantizationType

@@ -15,8 +15,8 @@ import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype, which safet
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxspec.config import ModelConfig
 from jaxspec.errors import ModelLoadError
+from jaxspec.model.config import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SINGLE_FILE = "model.safetensors"
@@ -199,6 +199,14 @@ def read_json_object(path: Path) -> dict[str, Any]:
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
+def read_weight_map(index_path: Path) -> dict[str, str]:
+    """A shard index's weight_map (model.safetensors.index.json: tensor name -> file name)."""
+    weight_map = read_json_object(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or not an object")
+    return weight_map
+
+
 def _check_no_extra_layers(names: list[str], num_layers: int, where: Path) -> None:
     """A tensor of a layer the config does not have means config and weights disagree: refuse it."""
     for name in names:
@@ -214,9 +222,7 @@ def _locate_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], num_lay
     """Tensor name -> the safetensors file holding it, from the shard index or the single file."""
     index_path = directory / SHARD_INDEX
     if index_path.is_file():
-        weight_map = read_json_object(index_path).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelLoadError(f"{index_path}: field 'weight_map' is missing or not an object")
+        weight_map = read_weight_map(index_path)
         _check_no_extra_layers(list(weight_map), num_layers, index_path)
         missing = [name for name in shapes if name not in weight_map]
         if missing:

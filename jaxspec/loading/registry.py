@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.config import ModelConfig
 from jaxspec.errors import ModelLoadError
 from jaxspec.loading.gguf_reader import read_gguf
 from jaxspec.loading.hf_dir import read_hf_dir
 from jaxspec.loading.tokenizer import Tokenizer
+from jaxspec.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

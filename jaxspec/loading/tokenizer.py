@@ -7,7 +7,6 @@ tokenizer.json + tokenizer_config.json). `encode` matches transformers' `tokeniz
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from tokenizers.models import BPE
 
 from jaxspec.errors import InputError, ModelLoadError, TemplateError
 from jaxspec.loading.chat_template import render_chat_template
+from jaxspec.loading.hf_dir import read_json_object
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
@@ -182,7 +182,7 @@ class Tokenizer:
         except Exception as error:  # tokenizers raises a bare Exception on malformed files
             raise ModelLoadError(f"{tokenizer_file}: cannot parse ({error})") from None
         config_file = directory / "tokenizer_config.json"
-        config = _read_json_object(config_file) if config_file.is_file() else {}
+        config = read_json_object(config_file) if config_file.is_file() else {}
         bos, eos = _token_content(config.get("bos_token")), _token_content(config.get("eos_token"))
         if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
             # transformers rebuilds the post-processor from these flags when the config sets them
@@ -193,7 +193,7 @@ class Tokenizer:
         eos_tokens = [eos] if eos is not None else []
         generation_file = directory / "generation_config.json"
         if generation_file.is_file():
-            ids = _read_json_object(generation_file).get("eos_token_id")
+            ids = read_json_object(generation_file).get("eos_token_id")
             ids = [ids] if isinstance(ids, int) else list(ids or [])
             eos_tokens += [
                 backend.id_to_token(int(i)) for i in ids if backend.id_to_token(int(i)) is not None
@@ -349,13 +349,3 @@ def _chat_template_of(directory: Path, config: dict[str, Any]) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
         return named.get("default")
     return template if isinstance(template, str) else None
-
-
-def _read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ModelLoadError(f"{path}: cannot read JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data

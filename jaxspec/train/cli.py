@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"jaxspec train: no distilled data in {source} (run the distill stage)", file=sys.stderr)
         return 2
 
-    from jaxspec.models.heads.configs import default_eagle3_layers
+    from jaxspec.drafters.heads.configs import default_eagle3_layers
     from jaxspec.train.features import FeatureStore, write_features
 
     capture = tuple(default_eagle3_layers(model.config.num_layers))

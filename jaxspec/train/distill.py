@@ -91,7 +91,7 @@ def distill(
     A prompt row may carry its own "prompt_ids" (already tokenized); otherwise "prompt" is rendered with
     the chat template. Resumable: ids already in `output` are skipped. Returns all rows of `output`
     afterwards, in the order they were written.
-    The prompts run through continuous batching (`jaxspec.continuous.generate_continuous`, autoregressive,
+    The prompts run through continuous batching (`decoding.continuous.generate_continuous`, autoregressive,
     `batch_size` slots refilled as requests finish, one compiled program): each answer is appended to
     `output` (and fsync'ed) as soon as the compiled call that finished it returns, so rows land in
     finishing order and a kill loses only the answers still in flight. Greedy by default, which matches
@@ -111,8 +111,8 @@ def distill(
     todo = [p for p in prompts if p["id"] not in done]
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="distill", disable=not progress)
     if todo:
-        from jaxspec import continuous
-        from jaxspec.generation import request_id_from_string
+        from jaxspec.decoding import continuous
+        from jaxspec.decoding.generate import request_id_from_string
 
         ids = [
             list(p["prompt_ids"]) if "prompt_ids" in p else chat_prompt_ids(model, p["prompt"]) for p in todo

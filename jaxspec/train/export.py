@@ -1,6 +1,6 @@
 """A trained head as a shippable checkpoint directory (`SpecConfig(method=..., head=path)`).
 
-The head itself is written in jaxspec's own head format (`jaxspec.models.heads.orbax_io`:
+The head itself is written in jaxspec's own head format (`jaxspec.drafters.heads.orbax_io`:
 jaxspec_head.json + Orbax `params/`), floating parameters stored in `dtype` (bfloat16 by default; the
 loader casts them to the model's dtype), integer tables (EAGLE-3's d2t/t2d) unchanged. Next to it:
   training.json  how it was trained: {"target", "command", "steps", "sequences", "*_s" timings, ...}
@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.models.heads.configs import HeadConfig
-from jaxspec.models.heads.head import DraftHead
-from jaxspec.models.heads.orbax_io import load_own_head
-from jaxspec.models.heads.orbax_io import save_head as save_own_head
+from jaxspec.drafters.heads.configs import HeadConfig
+from jaxspec.drafters.heads.head import DraftHead
+from jaxspec.drafters.heads.orbax_io import load_own_head
+from jaxspec.drafters.heads.orbax_io import save_head as save_own_head
 
 TRAINING_FILE = "training.json"
 

@@ -41,10 +41,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from jaxspec.cache import KVCache
-from jaxspec.config import ModelConfig
 from jaxspec.distributed import barrier
-from jaxspec.forward import causal_mask, lm_logits, model_forward
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import causal_mask, lm_logits, model_forward
+from jaxspec.model.kv_cache import KVCache
 from jaxspec.sharding import DEFAULT_RULES, cache_shardings, place_batch, put_sharded
 
 META = "meta.json"

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.config import ModelConfig
-from jaxspec.models.heads.configs import (
+from jaxspec.drafters.heads.configs import (
     Eagle3Config,
     EagleConfig,
     HeadConfig,
@@ -18,8 +17,9 @@ from jaxspec.models.heads.configs import (
     default_eagle3_layers,
     head_layer_config,
 )
-from jaxspec.models.heads.head import DraftHead, init_head
-from jaxspec.models.weights import unpack_qkv
+from jaxspec.drafters.heads.head import DraftHead, init_head
+from jaxspec.loading.weights import unpack_qkv
+from jaxspec.model.config import ModelConfig
 
 
 def draft_vocabulary(rows: Sequence[dict], vocab_size: int, size: int) -> np.ndarray:
@@ -66,7 +66,7 @@ def new_head(
 ) -> DraftHead:  # fmt: skip
     """A randomly initialised head; EAGLE-3 gets `draft_ids` as its vocabulary."""
     if isinstance(config, Eagle3Config):
-        from jaxspec.models.heads.eagle3 import init_eagle3
+        from jaxspec.drafters.heads.eagle.eagle3 import init_eagle3
 
         graphdef, params = init_eagle3(config, dtype, seed, draft_ids)
         return DraftHead(config=config, graphdef=graphdef, params=params, source=f"<random seed={seed}>")
@@ -113,7 +113,7 @@ def init_from_target(head: DraftHead, target_graphdef, target_params, *, layers:
     """
     from flax import nnx
 
-    from jaxspec.models.heads.mtp import module_params, stack_modules
+    from jaxspec.drafters.heads.mtp.module import module_params, stack_modules
 
     target = nnx.merge(target_graphdef, target_params)
     last = target.layers[len(target.layers) - 1]

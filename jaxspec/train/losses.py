@@ -38,12 +38,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import ModelConfig
-from jaxspec.forward import embed_tokens, lm_logits
-from jaxspec.models.heads.configs import Eagle3Config, EagleConfig, HeadConfig, MedusaConfig, MtpConfig
-from jaxspec.models.heads.layers import AttentionInputs, causal_visible, empty_cache_inputs
-from jaxspec.models.heads.medusa import medusa_logits
-from jaxspec.models.heads.mtp import mtp_module_forward
+from jaxspec.drafters.heads.configs import Eagle3Config, EagleConfig, HeadConfig, MedusaConfig, MtpConfig
+from jaxspec.drafters.heads.layers import AttentionInputs, causal_visible, empty_cache_inputs
+from jaxspec.drafters.heads.medusa.module import medusa_logits
+from jaxspec.drafters.heads.mtp.module import mtp_module_forward
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import embed_tokens, lm_logits
 
 EAGLE_VALUE_WEIGHT = 1.0
 EAGLE_PROB_WEIGHT = 0.1
@@ -131,7 +131,7 @@ class Objective:
 
     @property
     def method(self) -> str:
-        from jaxspec.models.heads.configs import method_of
+        from jaxspec.drafters.heads.configs import method_of
 
         return method_of(self.head_config)
 

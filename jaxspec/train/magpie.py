@@ -108,7 +108,7 @@ def magpie_prompts(
     `on_batch`, called with each batch's kept rows, had saved); they are kept, count towards the
     targets, and sampling continues after the last batch they came from.
     """
-    from jaxspec.generation import generate
+    from jaxspec.decoding.generate import generate
 
     if model.tokenizer is None:
         raise ValueError("magpie: the model has no tokenizer")

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxspec.config import ModelConfig
+from jaxspec.model.config import ModelConfig
 from jaxspec.sharding import (
     DATA_AXIS,
     DEFAULT_RULES,

@@ -339,7 +339,7 @@ def train(
         out_shardings = (shardings_of(trainable), shardings_of(opt_state), placement.replicated)
     step_fn = make_train_step(objective, optimizer, online, out_shardings)
     if online:  # the target forward's empty KV cache, as an argument (a constant costs minutes to fold)
-        from jaxspec.cache import KVCache
+        from jaxspec.model.kv_cache import KVCache
 
         max_len = source.read([0], ["tokens"])["tokens"].shape[1]
         dtype = jax.tree.leaves(fixed["target"])[0].dtype

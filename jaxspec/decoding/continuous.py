@@ -1,0 +1,336 @@
+"""Continuous batching: a fixed number of slots refilled from an on-device request bank, all inside one
+compiled `lax.while_loop`.
+
+The bank holds every request of a run (prompts padded to one length bucket, budgets, seeds, request ids,
+sampling parameters). Each iteration of the loop does one of two things:
+
+* admit: when at least `admit_rows` slots are free (or every remaining request fits in the free
+  slots), the next `admit_rows` requests of the bank are prefilled together (one [admit_rows, P]
+  forward) and their keys/values, first token and parameters are written into free slots;
+* decode: otherwise one autoregressive token for every slot.
+
+After either, a slot whose request is finished (EOS or budget) writes its output row into the result
+bank (`[N, capacity]`) and becomes free. No host round trip per token: the host calls `run_continuous`
+for a bounded number of iterations, reads which requests finished (to stream them out), and calls it
+again with the donated state until every request is done.
+
+A request's tokens do not depend on its slot or its neighbours: its first token is drawn with the key of
+round 0 at prefill, and its j-th token with the key of round j (`sampling.derive_key(seed, request id,
+j, PURPOSE_BONUS)`), exactly as `jaxspec.generate` draws them for the request alone; every operation
+of a step is row-wise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxspec import sampling
+from jaxspec.config import SamplingParams
+from jaxspec.decoding.generate import (
+    CheckedRequests,
+    Completion,
+    Prompt,
+    check_requests,
+    completion,
+    padded_requests,
+)
+from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens
+from jaxspec.decoding.prefill import Requests, prefill
+from jaxspec.errors import InputError
+from jaxspec.model.buckets import length_bucket
+from jaxspec.model.config import ModelConfig
+from jaxspec.model.forward import lm_logits, model_forward
+from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.live_attention import live_attention
+from jaxspec.model.target import Model
+from pallas_kernels.dispatch import resolve_impl
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ContinuousState:
+    """Loop carry of continuous batching (B slots, N requests in the bank).
+
+    cache: the slots' KV cache [B, ...]; pending [B]: last emitted token (KV not yet written);
+    out: the slots' output rows [B, capacity] (done = True for a free slot); slot_request [B]: bank
+    index of the request in each slot, -1 when free; params: the request in each slot (a bank row);
+    next_request: scalar, bank index of the next request to admit; results: the bank's output rows
+    [N, capacity] (done = finished and written); iterations: scalar, loop iterations so far (admits +
+    decode steps); decode_steps: scalar, decode steps so far.
+    """
+
+    cache: KVCache
+    pending: jax.Array
+    out: OutputBuffer
+    slot_request: jax.Array
+    params: Requests
+    next_request: jax.Array
+    results: OutputBuffer
+    iterations: jax.Array
+    decode_steps: jax.Array
+
+
+def init_state(
+    config: ModelConfig, bank: Requests, slots: int, max_len: int, capacity: int, dtype
+) -> ContinuousState:
+    """Every slot free, nothing admitted; the cache is [slots, ..., max_len, ...] zeros."""
+    n = bank.prompt_tokens.shape[0]
+    idle = OutputBuffer.empty(slots, capacity)
+    idle = dataclasses.replace(idle, done=jnp.ones((slots,), bool))
+
+    def zeros() -> jax.Array:  # a fresh buffer per leaf: the state is donated leaf by leaf
+        return jnp.zeros((slots,), jnp.int32)
+
+    return ContinuousState(
+        cache=KVCache.zeros(config, slots, max_len, dtype),
+        pending=zeros(),
+        out=idle,
+        slot_request=jnp.full((slots,), -1, jnp.int32),
+        params=jax.tree.map(lambda x: x[zeros()], bank),  # placeholders: the bank's first row
+        next_request=jnp.int32(0),
+        results=OutputBuffer.empty(n, capacity),
+        iterations=jnp.int32(0),
+        decode_steps=jnp.int32(0),
+    )
+
+
+def _set_rows(tree, rows: jax.Array, values):
+    """Write values [R, ...] into rows [R] of every leaf of tree [B, ...]; rows == B are dropped."""
+    return jax.tree.map(lambda x, v: x.at[rows].set(v.astype(x.dtype), mode="drop"), tree, values)
+
+
+def prefill_widths(prompt_len: int) -> tuple[int, ...]:
+    """The prompt-length buckets up to prompt_len (16, 32, ..., prompt_len) an admit prefills at."""
+    widths = [length_bucket(1)]
+    while widths[-1] < prompt_len:
+        widths.append(widths[-1] * 2)
+    return tuple(widths)
+
+
+def _retire(state: ContinuousState) -> ContinuousState:
+    """Copy finished slots' output rows into the result bank and free those slots."""
+    n = state.results.tokens.shape[0]
+    finished = (state.slot_request >= 0) & state.out.done
+    target = jnp.where(finished, state.slot_request, n)
+    results = _set_rows(state.results, target, state.out)
+    # A free slot's length drops to 0, so the longest length is the longest live request's: what
+    # live attention reads up to.
+    cache = dataclasses.replace(state.cache, lengths=jnp.where(finished, 0, state.cache.lengths))
+    return dataclasses.replace(
+        state, cache=cache, results=results, slot_request=jnp.where(finished, -1, state.slot_request)
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("graphdef", "config", "admit_rows", "eos_ids", "attention"),
+    donate_argnames=("state",),
+)
+def run_continuous(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    bank: Requests,
+    state: ContinuousState,
+    max_iterations: jax.Array,
+    *,
+    config: ModelConfig,
+    admit_rows: int,
+    eos_ids: tuple[int, ...],
+    attention: str = "auto",
+) -> ContinuousState:
+    """Run the continuous-batching loop until every request is finished or `max_iterations` more
+    iterations (admits + decode steps) have run; returns the state to pass back in (donated).
+
+    bank: every request of the run ([N, P] prompts, [N] parameters). state: from `init_state` or the
+    previous call. admit_rows: requests prefilled together in one admit (<= slots).
+    """
+    n = bank.prompt_tokens.shape[0]
+    slots = state.pending.shape[0]
+    max_len = state.cache.max_len
+    capacity = state.out.tokens.shape[1]
+    rows = min(admit_rows, slots)
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    one_node_mask = jnp.ones((slots, 1, 1), dtype=bool)
+    stop_at = state.iterations + max_iterations
+
+    def admit(state: ContinuousState) -> ContinuousState:
+        free = state.slot_request < 0
+        take = jnp.minimum(jnp.minimum(jnp.sum(free), n - state.next_request), rows)
+        index = jnp.arange(rows, dtype=jnp.int32)
+        valid = index < take
+        target = jnp.where(valid, jnp.nonzero(free, size=rows, fill_value=slots)[0], slots)
+        request = jnp.minimum(state.next_request + index, n - 1)
+        admitted = jax.tree.map(lambda x: x[request], bank)
+        # Prefill at the smallest length bucket that holds the admitted prompts (as `generate` pads
+        # them), not at the bank's longest prompt: padding would cost as much as real tokens.
+        needed = jnp.max(jnp.where(valid, admitted.prompt_lengths, 1))
+        widths = prefill_widths(bank.prompt_tokens.shape[1])
+        branch = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
+
+        def prefill_at(width: int):
+            def run(admitted: Requests) -> tuple[KVCache, jax.Array]:
+                narrow = dataclasses.replace(admitted, prompt_tokens=admitted.prompt_tokens[:, :width])
+                pre = prefill(graphdef, params, config, narrow, max_len, attention=attention)
+                return pre.cache, pre.first_token
+
+            return run
+
+        pre_cache, first_token = jax.lax.switch(branch, [prefill_at(w) for w in widths], admitted)
+        first, _ = append_tokens(
+            OutputBuffer.empty(rows, capacity), first_token[:, None], jnp.ones((rows,), jnp.int32),
+            admitted.max_new_tokens, eos,
+        )  # fmt: skip
+        return dataclasses.replace(
+            state,
+            cache=_set_rows(state.cache, target, pre_cache),  # whole rows: keys, values, lengths
+            pending=_set_rows(state.pending, target, first_token),
+            out=_set_rows(state.out, target, first),
+            slot_request=_set_rows(state.slot_request, target, request),
+            params=_set_rows(state.params, target, admitted),
+            next_request=state.next_request + take,
+        )
+
+    # Where attention would read the whole padded cache (the jnp reference), read only the blocks up
+    # to the longest live request; the Pallas kernels already stop at each row's length.
+    live = resolve_impl(attention, jax.default_backend()) == "reference"
+
+    def decode(state: ContinuousState) -> ContinuousState:
+        cache = state.cache
+        hidden, _, cache = model_forward(
+            graphdef, params, state.pending[:, None], cache.lengths[:, None], cache, one_node_mask,
+            attention=attention, attend=live_attention if live else None,
+        )  # fmt: skip
+        active = state.slot_request >= 0
+        cache = dataclasses.replace(cache, lengths=jnp.minimum(cache.lengths + active, max_len - 1))
+        p = state.params
+        probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), p.sampling)
+        # A request's j-th token is drawn with the key of round j, as when it runs alone.
+        keys = sampling.derive_key(p.seeds, p.request_ids, state.out.count, sampling.PURPOSE_BONUS)
+        token = sampling.sample_from_probs(probs, keys)
+        out, _ = append_tokens(
+            state.out, token[:, None], jnp.ones((slots,), jnp.int32), p.max_new_tokens, eos
+        )
+        return dataclasses.replace(
+            state, cache=cache, pending=token, out=out, decode_steps=state.decode_steps + 1
+        )
+
+    def body(state: ContinuousState) -> ContinuousState:
+        free = jnp.sum(state.slot_request < 0)
+        remaining = n - state.next_request
+        should_admit = (remaining > 0) & (free >= jnp.minimum(rows, remaining))
+        state = jax.lax.cond(should_admit, admit, decode, state)
+        return dataclasses.replace(_retire(state), iterations=state.iterations + 1)
+
+    def running(state: ContinuousState) -> jax.Array:
+        unfinished = (state.next_request < n) | jnp.any(state.slot_request >= 0)
+        return unfinished & (state.iterations < stop_at)
+
+    return jax.lax.while_loop(running, body, state)
+
+
+def _prepared_run(model: Model, checked: CheckedRequests, slots: int, admit_rows: int | None):
+    """(initial state, run(state, max_iterations) -> state) for the checked requests."""
+    n = len(checked.token_lists)
+    prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
+    new_bucket = length_bucket(max(checked.max_new))
+    bank = padded_requests(checked, n, prompt_len)
+    admit = admit_rows if admit_rows is not None else max(1, slots // 8)
+    if admit < 1:
+        raise InputError(f"generate_continuous: admit_rows must be >= 1, got {admit}")
+    state = init_state(model.config, bank, slots, prompt_len + new_bucket + 1, new_bucket + 1, model.dtype)
+
+    def run(state: ContinuousState, max_iterations: int) -> ContinuousState:
+        return run_continuous(
+            model.graphdef, model.params, bank, state, jnp.int32(max_iterations), config=model.config,
+            admit_rows=admit, eos_ids=model.eos_token_ids,
+        )  # fmt: skip
+
+    return state, run
+
+
+def compile_continuous(
+    model: Model, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int], *, slots: int = 64,
+    admit_rows: int | None = None,
+) -> None:  # fmt: skip
+    """Compile the program `generate_continuous` runs for these requests without generating (for
+    benchmarks that exclude compilation)."""
+    checked = check_requests(model, prompts, max_new_tokens, None, 0, None)
+    state, run = _prepared_run(model, checked, slots, admit_rows)
+    jax.block_until_ready(run(state, 0))
+
+
+def generate_continuous(
+    model: Model,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int | Sequence[int] = 64,
+    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    seed: int | Sequence[int] = 0,
+    request_ids: Sequence[int] | None = None,
+    *,
+    slots: int = 64,
+    admit_rows: int | None = None,
+    steps_per_call: int = 64,
+    on_finished: Callable[[list[tuple[int, Completion]]], None] | None = None,
+) -> list[Completion]:
+    """`jaxspec.generate` (autoregressive) for many requests through `slots` continuously refilled
+    slots; the same tokens per request as `jaxspec.generate` gives it alone.
+
+    Args:
+      model, prompts, max_new_tokens, sampling, seed, request_ids: as `jaxspec.generate`.
+      slots: rows decoded together. admit_rows: requests prefilled together when slots free up
+        (default slots // 8, at least 1).
+      steps_per_call: loop iterations per compiled call; between calls the host collects the requests
+        finished so far and passes them to `on_finished` as (prompt index, Completion) pairs.
+    Returns:
+      one Completion per prompt, in order. stats["batch_time_s"] is the time from the start to the
+      end of the call that finished the request.
+    """
+    if slots < 1 or steps_per_call < 1:
+        raise InputError(
+            f"generate_continuous: slots ({slots}) and steps_per_call ({steps_per_call}) must be >= 1"
+        )
+    if model.mesh is not None:
+        raise InputError("generate_continuous: a model loaded with a mesh is not supported; use generate")
+    checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
+    n = len(checked.token_lists)
+    # The bank in prompt-length-bucket order, so requests admitted together share a prefill width.
+    order = sorted(range(n), key=lambda i: (length_bucket(len(checked.token_lists[i])), i))
+    checked = CheckedRequests(
+        *([getattr(checked, f.name)[i] for i in order] for f in dataclasses.fields(CheckedRequests))
+    )
+    state, run = _prepared_run(model, checked, slots, admit_rows)
+    completions: list[Completion | None] = [None] * n  # in bank order
+    start = time.perf_counter()
+    emitted = 0
+    while emitted < n:
+        state = run(state, steps_per_call)
+        done, counts, stopped = jax.device_get(
+            (state.results.done, state.results.count, state.results.stopped)
+        )
+        new = [i for i in range(n) if done[i] and completions[i] is None]
+        if not new:
+            continue
+        tokens = jax.device_get(state.results.tokens)
+        elapsed = time.perf_counter() - start
+        emitted += len(new)
+        finished_tokens = sum(int(counts[i]) for i in range(n) if done[i])
+        stats = {"batch_time_s": elapsed, "batch_tokens_per_s": finished_tokens / elapsed}
+        batch = []
+        for i in new:
+            completions[i] = completion(
+                model, tokens[i, : counts[i]], bool(stopped[i]), max(int(counts[i]) - 1, 0), stats
+            )
+            batch.append((i, completions[i]))
+        if on_finished is not None:
+            on_finished([(order[i], c) for i, c in batch])
+    by_prompt: list[Completion | None] = [None] * n
+    for i, c in enumerate(completions):
+        by_prompt[order[i]] = c
+    return by_prompt  # type: ignore[return-value]

@@ -1,0 +1,1 @@
+"""Medusa heads: module, drafter, published-layout loader."""

@@ -1,0 +1,1 @@
+"""MTP heads (MiMo-style and DeepSeek-V3): module, drafter, loaders."""

@@ -1,0 +1,67 @@
+"""Draft heads shipped with jaxspec: configs/heads/MODEL/METHOD (see its README for how each was
+trained), found from the package (`jaxspec.resources.configs_dir`), not the current folder.
+
+The rule for a head method without a head, shared by the Python API and the CLI: use the head shipped
+for that model when there is one, otherwise fail with an error naming the missing `head=` (a random
+head accepts almost nothing). `head="random"` (RANDOM_HEAD) asks for a seeded random head on purpose
+(correctness tests, cost measurements).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxspec.drafters.heads.configs import HEAD_METHODS
+from jaxspec.errors import InputError, ModelLoadError
+from jaxspec.resources import configs_dir
+
+RANDOM_HEAD = "random"
+
+
+def shipped_heads_dir() -> Path:
+    """configs/heads of the installed package."""
+    return configs_dir() / "heads"
+
+
+def shipped_head(model: str, method: str) -> str | None:
+    """The shipped head directory for (model name, head method), or None when there is none."""
+    path = shipped_heads_dir() / model / method
+    return str(path) if method in HEAD_METHODS and (path / "jaxspec_head.json").is_file() else None
+
+
+def shipped_head_for_source(source: str, method: str) -> str | None:
+    """The shipped head for a loaded model, given its resolved file or folder (`Model.source`).
+
+    Heads are shipped under model names (configs/heads/NAME); a name matches when it resolves to the
+    same file (`jaxspec.loading.registry.resolve_model_path`), or when `source` is the name itself."""
+    from jaxspec.loading.registry import resolve_model_path
+
+    heads = shipped_heads_dir()
+    if not heads.is_dir():
+        return None
+    for name_dir in sorted(p for p in heads.iterdir() if p.is_dir()):
+        if name_dir.name == source:
+            return shipped_head(name_dir.name, method)
+        try:
+            same = resolve_model_path(name_dir.name).resolve() == Path(source).resolve()
+        except ModelLoadError:
+            continue
+        if same:
+            return shipped_head(name_dir.name, method)
+    return None
+
+
+def resolve_head(source: str, method: str, head: str | None) -> str:
+    """spec.head for a head method: `head` itself, else the head shipped for the model at `source`.
+
+    Raises InputError naming the missing `head=` when nothing is shipped for that model."""
+    if head is not None:
+        return head
+    shipped = shipped_head_for_source(source, method)
+    if shipped is None:
+        raise InputError(
+            f"SpecConfig(method={method!r}) needs a trained draft head: no head is shipped for model "
+            f"{source!r} in {shipped_heads_dir()}; pass head=DIR (a checkpoint, see `jaxspec train`), "
+            f"or head={RANDOM_HEAD!r} for a seeded random head (accepts almost nothing)"
+        )
+    return shipped

@@ -1,0 +1,29 @@
+"""`make_drafter(model, spec)`: the drafter (static) and its parameters (traced) for a SpecConfig; the
+drafter protocol is in `jaxspec.drafters.protocol` (and the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxspec.config import SpecConfig
+from jaxspec.drafters.draft_model import DraftModelDrafter, load_draft_model
+from jaxspec.drafters.heads import registry
+from jaxspec.drafters.ngram import NgramDrafter
+from jaxspec.drafters.protocol import Drafter
+
+
+def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
+    """Build the drafter (static) and its parameters (traced) for `spec`."""
+    if spec.method == "ngram":
+        drafter = NgramDrafter(
+            num_tokens=spec.num_speculative_tokens, ngram_min=spec.ngram_min, ngram_max=spec.ngram_max,
+            num_branches=spec.topk,
+        )  # fmt: skip
+        return drafter, ()
+    if spec.method == "draft_model":
+        draft = load_draft_model(model, spec)
+        drafter = DraftModelDrafter(
+            graphdef=draft.graphdef, config=draft.config, num_tokens=spec.num_speculative_tokens
+        )  # fmt: skip
+        return drafter, draft.params
+    return registry.make_head_drafter(model, spec)
