@@ -209,10 +209,9 @@ def run_continuous(
         active = state.slot_request >= 0
         cache = dataclasses.replace(cache, lengths=jnp.minimum(cache.lengths + active, max_len - 1))
         p = state.params
-        probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), p.sampling)
         # A request's j-th token is drawn with the key of round j, as when it runs alone.
         keys = sampling.derive_key(p.seeds, p.request_ids, state.out.count, sampling.PURPOSE_BONUS)
-        token = sampling.sample_from_probs(probs, keys)
+        token = sampling.sample_logits(lm_logits(graphdef, params, hidden[:, 0]), p.sampling, keys)
         out, _ = append_tokens(
             state.out, token[:, None], jnp.ones((slots,), jnp.int32), p.max_new_tokens, eos
         )
