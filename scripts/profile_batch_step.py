@@ -5,13 +5,14 @@
 Each component is timed as its own step inside one compiled `lax.fori_loop`
 (`jaxspec.bench.step_costs.median_loop_step_time`), as the generate loop runs it:
 
-* full step: forward over one token + LM head + logits processing + sampling + output append, with
-  the reference attention and with live-block attention (`jaxspec.model.live_attention`, what
-  `jaxspec.decoding.continuous` decodes with on CPU);
+* full step: forward over one token + LM head + `sampling.sample_logits` (greedy rows: the first
+  argmax of the logits) + output append, with the reference attention and with live-block attention
+  (`jaxspec.model.live_attention`, what `jaxspec.decoding.continuous` decodes with on CPU);
 * forward at S = max_len (reference and live-block attention) and at S = 16: the 30 layers (their
   matmuls + attention over the padded cache);
 * LM head (tied embedding, [B, d] x [V, d]) + argmax;
-* process_logits + sample_from_probs over the [B, V] logits (greedy rows);
+* process_logits + sample_from_probs over the [B, V] logits (greedy rows), the path a batch with a
+  sampled row takes, and `sample_logits`, the path of an all-greedy batch;
 * output bookkeeping (`append_tokens`).
 
 Rows hold `--fill` committed tokens each (the cache is padded to `--max-len`).
@@ -61,9 +62,8 @@ def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int
         hidden, _, cache = model_forward(
             graphdef, params, token[:, None], cache.lengths[:, None], cache, one, attend=attend
         )
-        probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), samp)
         keys = sampling.derive_key(seeds, seeds, 1, sampling.PURPOSE_BONUS)
-        new = sampling.sample_from_probs(probs, keys)
+        new = sampling.sample_logits(lm_logits(graphdef, params, hidden[:, 0]), samp, keys)
         out, _ = append_tokens(out, new[:, None], jnp.ones((rows,), jnp.int32), budget, eos)
         out = dataclasses.replace(out, count=out.count % 64)  # never fills up
         return cache, out
@@ -82,6 +82,10 @@ def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int
         probs = sampling.process_logits(logits + carry[:, None].astype(jnp.float32) * 0, samp)
         keys = sampling.derive_key(seeds, seeds, 1, sampling.PURPOSE_BONUS)
         return carry + sampling.sample_from_probs(probs, keys)
+
+    def greedy(carry, logits):
+        keys = sampling.derive_key(seeds, seeds, 1, sampling.PURPOSE_BONUS)
+        return carry + sampling.sample_logits(logits + carry[:, None].astype(jnp.float32) * 0, samp, keys)
 
     def book(carry, token):
         out, _ = append_tokens(carry, token[:, None], jnp.ones((rows,), jnp.int32), budget, eos)
@@ -113,6 +117,9 @@ def profile(model: jaxspec.Model, rows: int, max_len: int, fill: int, iters: int
     )
     t["process_logits + sample"] = median_loop_step_time(
         process, jnp.zeros((rows,), jnp.int32), (logits,), iters=iters
+    )
+    t["sample_logits (all rows greedy)"] = median_loop_step_time(
+        greedy, jnp.zeros((rows,), jnp.int32), (logits,), iters=iters
     )
     t["append_tokens"] = median_loop_step_time(book, OutputBuffer.empty(rows, 128), (token,), iters=iters)
     return t

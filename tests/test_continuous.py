@@ -8,7 +8,13 @@ import pytest
 
 import jaxspec
 from jaxspec.config import SamplingParams
-from jaxspec.decoding.continuous import generate_continuous, init_state, run_continuous
+from jaxspec.decoding.continuous import (
+    admit_width,
+    generate_continuous,
+    init_state,
+    prefill_widths,
+    run_continuous,
+)
 from jaxspec.decoding.generate import check_requests, padded_requests
 from jaxspec.errors import InputError
 from tests.tiny_models import save_tiny
@@ -80,6 +86,20 @@ def test_sampled_tokens_depend_on_seed_and_request_id_not_on_slot(tiny):
     )  # fmt: skip
     for i, c in zip(order, reversed_run, strict=True):
         assert c.token_ids == reference[i].token_ids
+
+
+def test_admits_at_one_and_a_half_widths_equal_each_request_alone(tiny):
+    """Prompts of 33-48 and 65-96 tokens are prefilled at widths 48 and 96 (not 64 and 128); the bank
+    runs longest budget first. Each request still gets its tokens alone."""
+    assert prefill_widths(128) == (16, 32, 48, 64, 96, 128)
+    lengths, widths = (1, 16, 17, 33, 48, 49, 65, 96, 97), [16, 16, 32, 48, 48, 64, 96, 96, 128]
+    assert [admit_width(n, 128) for n in lengths] == widths
+    prompts = [list(range(1, 41)), list(range(60, 130)), [7] * 45, list(range(200, 290)), [3, 4, 5]]
+    budgets = [12, 30, 5, 20, 25]
+    together = generate_continuous(tiny, prompts, max_new_tokens=budgets, slots=2, admit_rows=2)
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        (a,) = jaxspec.generate(tiny, [prompt], max_new_tokens=budget)
+        assert together[i].token_ids == a.token_ids, f"request {i}"
 
 
 def test_one_compiled_program_serves_every_call(tiny):

@@ -175,6 +175,25 @@ def test_sample_from_probs_one_hot_rows_draw_the_same_token_next_to_soft_rows():
     np.testing.assert_array_equal(mixed[:2], [3, 7])
 
 
+@pytest.mark.parametrize(
+    "temperatures",
+    [(0.0, 0.0, 0.0, 0.0), (0.0, 0.7, 0.0, 1.3), (0.9, 0.9, 0.9, 0.9)],
+    ids=["all greedy", "mixed", "all sampled"],
+)
+def test_sample_logits_equals_process_then_sample(temperatures):
+    """The greedy fast path gives the tokens of the full path, ties included (first index), and a
+    batch with sampled rows is not shortcut."""
+    logits = jax.random.normal(jax.random.key(3), (4, 50)) * 3.0
+    logits = logits.at[0, 7].set(20.0).at[0, 31].set(20.0)  # a tie: the first index wins
+    params = arrays([SamplingParams(t, 5 if t else 0, 0.9 if t else 1.0) for t in temperatures], 4)
+    for seed in range(8):
+        keys = sampling.derive_key(jnp.full((4,), seed), jnp.arange(4), 0, sampling.PURPOSE_BONUS)
+        full = sampling.sample_from_probs(process_logits(logits, params), keys)
+        np.testing.assert_array_equal(sampling.sample_logits(logits, params, keys), full)
+    if temperatures[0] == 0.0:
+        assert int(full[0]) == 7
+
+
 def test_process_logits_parameters_are_traced():
     traces = []
 

@@ -67,9 +67,8 @@ def generate_autoregressive(
             attention=attention, mesh=mesh,
         )  # fmt: skip
         cache = constrain_cache(dataclasses.replace(cache, lengths=cache.lengths + 1), mesh)
-        probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), requests.sampling)
         keys = sampling.derive_key(requests.seeds, requests.request_ids, state.step, sampling.PURPOSE_BONUS)
-        token = sampling.sample_from_probs(probs, keys)
+        token = sampling.sample_logits(lm_logits(graphdef, params, hidden[:, 0]), requests.sampling, keys)
         out, _ = append_tokens(state.out, token[:, None], jnp.ones((batch,), jnp.int32),
                                requests.max_new_tokens, eos)  # fmt: skip
         if stream:

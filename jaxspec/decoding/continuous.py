@@ -107,11 +107,22 @@ def _set_rows(tree, rows: jax.Array, values):
 
 
 def prefill_widths(prompt_len: int) -> tuple[int, ...]:
-    """The prompt-length buckets up to prompt_len (16, 32, ..., prompt_len) an admit prefills at."""
-    widths = [length_bucket(1)]
+    """The prompt widths an admit prefills at, up to the bank's prompt_len (a power of two): 16, 32,
+    48, 64, 96, 128, 192, 256, ... (powers of two and 1.5 times powers of two). Steps of 1.5x instead
+    of 2x pad the dev prompts' admits to ~22% fewer prefill tokens (each prompt token costs as much as
+    a decoded one); each width is one more branch of the compiled admit."""
+    widths, power = [length_bucket(1)], length_bucket(1)
     while widths[-1] < prompt_len:
-        widths.append(widths[-1] * 2)
+        if power >= 32:
+            widths.append(power * 3 // 2)
+        power *= 2
+        widths.append(power)
     return tuple(widths)
+
+
+def admit_width(prompt_length: int, prompt_len: int) -> int:
+    """The smallest of `prefill_widths(prompt_len)` that holds a prompt of prompt_length tokens."""
+    return next(w for w in prefill_widths(prompt_len) if w >= prompt_length)
 
 
 def _retire(state: ContinuousState) -> ContinuousState:
@@ -210,10 +221,9 @@ def run_continuous(
         active = state.slot_request >= 0
         cache = dataclasses.replace(cache, lengths=jnp.minimum(cache.lengths + active, max_len - 1))
         p = state.params
-        probs = sampling.process_logits(lm_logits(graphdef, params, hidden[:, 0]), p.sampling)
         # A request's j-th token is drawn with the key of round j, as when it runs alone.
         keys = sampling.derive_key(p.seeds, p.request_ids, state.out.count, sampling.PURPOSE_BONUS)
-        token = sampling.sample_from_probs(probs, keys)
+        token = sampling.sample_logits(lm_logits(graphdef, params, hidden[:, 0]), p.sampling, keys)
         out, _ = append_tokens(
             state.out, token[:, None], jnp.ones((slots,), jnp.int32), p.max_new_tokens, eos
         )
@@ -300,8 +310,14 @@ def generate_continuous(
         raise InputError("generate_continuous: a model loaded with a mesh is not supported; use generate")
     checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
     n = len(checked.token_lists)
-    # The bank in prompt-length-bucket order, so requests admitted together share a prefill width.
-    order = sorted(range(n), key=lambda i: (length_bucket(len(checked.token_lists[i])), i))
+    # The bank in decreasing budget order (longest first: the last requests admitted are short, so
+    # few slots idle while the longest finish), and by prefill width within a budget, so requests
+    # admitted together share a prefill width. The order changes no request's tokens.
+    prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
+    order = sorted(
+        range(n),
+        key=lambda i: (-checked.max_new[i], admit_width(len(checked.token_lists[i]), prompt_len), i),
+    )
     checked = CheckedRequests(
         *([getattr(checked, f.name)[i] for i in order] for f in dataclasses.fields(CheckedRequests))
     )

@@ -109,9 +109,8 @@ def prefill(
             mesh=mesh,
         )
     logits = lm_logits(graphdef, params, last_valid(hidden, requests.prompt_lengths))
-    probs = sampling.process_logits(logits, requests.sampling)
     keys = sampling.derive_key(requests.seeds, requests.request_ids, 0, sampling.PURPOSE_BONUS)
-    first = sampling.sample_from_probs(probs, keys)
+    first = sampling.sample_logits(logits, requests.sampling, keys)
     cache = dataclasses.replace(cache, lengths=requests.prompt_lengths.astype(jnp.int32))
     cache = constrain_cache(cache, mesh)
     return PrefillResult(cache=cache, first_token=first, hidden=hidden, captured=captured)

@@ -1,6 +1,6 @@
 """Sampling: logits processing, stateless PRNG keys, rejection sampling over draft trees, the tree.
 
-processors  `process_logits`, `sample_from_probs`, `first_argmax`, `SamplingArrays`
+processors  `process_logits`, `sample_from_probs`, `sample_logits`, `first_argmax`, `SamplingArrays`
 keys        `round_key`, `derive_key`, `fold_in_rows`, the PURPOSE_* constants
 verify      `verify_tree`, `VerifyResult`, `VERIFY_MODES`
 tree        `DraftTree` (tokens, parents, depths, q), its ancestor mask and positions
@@ -37,7 +37,13 @@ from jaxspec.sampling.keys import (
     fold_in_rows,
     round_key,
 )
-from jaxspec.sampling.processors import SamplingArrays, first_argmax, process_logits, sample_from_probs
+from jaxspec.sampling.processors import (
+    SamplingArrays,
+    first_argmax,
+    process_logits,
+    sample_from_probs,
+    sample_logits,
+)
 from jaxspec.sampling.verify import VERIFY_MODES, VerifyResult, verify_tree
 
 __all__ = [
@@ -54,5 +60,6 @@ __all__ = [
     "process_logits",
     "round_key",
     "sample_from_probs",
+    "sample_logits",
     "verify_tree",
 ]

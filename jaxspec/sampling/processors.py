@@ -213,3 +213,20 @@ def sample_from_probs(probs: jax.Array, keys: jax.Array) -> jax.Array:
         lambda: first_argmax(probs),
         lambda: jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32),
     )
+
+
+def sample_logits(logits: jax.Array, sampling: SamplingArrays, keys: jax.Array) -> jax.Array:
+    """logits [B, V], keys [B] -> [B] int32 tokens: `sample_from_probs(process_logits(logits,
+    sampling), keys)`, the same tokens.
+
+    When every row of the batch is greedy (temperature 0), a batch-wide `lax.cond` takes the first
+    argmax of the raw logits directly, which is the token that path gives a greedy row (its processed
+    row is the one-hot at that argmax): no softmax, one-hot or second argmax over the [B, V] vocabulary
+    (~14 ms of a 64-row SmolLM2 decode step on this CPU). A batch with any sampled row takes the full
+    path, so a row's token never depends on its neighbours.
+    """
+    return jax.lax.cond(
+        jnp.all(sampling.temperature <= 0.0),
+        lambda: first_argmax(logits),
+        lambda: sample_from_probs(process_logits(logits, sampling), keys),
+    )
