@@ -41,7 +41,7 @@ from jaxspec.decoding.generate import (
     completion,
     padded_requests,
 )
-from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens
+from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, first_output
 from jaxspec.decoding.prefill import Requests, prefill
 from jaxspec.errors import InputError
 from jaxspec.model.buckets import length_bucket
@@ -194,10 +194,7 @@ def run_continuous(
             return run
 
         pre_cache, first_token = jax.lax.switch(branch, [prefill_at(w) for w in widths], admitted)
-        first, _ = append_tokens(
-            OutputBuffer.empty(rows, capacity), first_token[:, None], jnp.ones((rows,), jnp.int32),
-            admitted.max_new_tokens, eos,
-        )  # fmt: skip
+        first = first_output(first_token, capacity, admitted.max_new_tokens, eos)
         return dataclasses.replace(
             state,
             cache=_set_rows(state.cache, target, pre_cache),  # whole rows: keys, values, lengths
