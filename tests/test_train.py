@@ -572,3 +572,50 @@ def test_soft_targets_are_the_targets_own_distribution_at_the_label_position(tin
     expected = masked_mean(soft_ce(logits, target_next), label_mask(batch, 2, n).astype(jnp.float32))
     assert soft == pytest.approx(float(expected), rel=1e-4)
     assert soft != pytest.approx(hard, rel=1e-3)
+
+
+def test_init_from_head_starts_from_the_exported_head_and_its_vocabulary(
+    tiny, tiny_model, rows, tmp_path, capsys
+):
+    """`--init-from-head DIR`: the run's step-0 head (exported at 0 steps) is DIR's, parameters and EAGLE-3
+    draft vocabulary alike (a fresh head has other weights and the data's vocabulary); a head of another
+    method is refused with a message naming DIR."""
+    from jaxspec.cli import main
+    from jaxspec.models.heads.configs import default_eagle3_layers
+    from jaxspec.train.export import load_saved_head, save_head
+    from jaxspec.train.head_setup import draft_ids_of, draft_vocabulary, head_config_for, new_head
+
+    layers = default_eagle3_layers(tiny_model.config.num_layers)
+    config = head_config_for("eagle3", tiny_model.config, depth=2, draft_vocab_size=128, eagle3_layers=layers)
+    vocab = np.sort(np.random.default_rng(5).choice(VOCAB, 128, replace=False))
+    assert not np.array_equal(vocab, draft_vocabulary(rows, VOCAB, 128))  # the flag must be what sets it
+    source = new_head(config, seed=7, draft_ids=vocab)
+    save_head(tmp_path / "src", config, source.graphdef, source.params, dtype="float32")
+    medusa = new_head(head_config_for("medusa", tiny_model.config, depth=2), seed=1)
+    save_head(tmp_path / "medusa", medusa.config, medusa.graphdef, medusa.params, dtype="float32")
+    work = tmp_path / "work"
+    work.mkdir()
+    append_jsonl_rows(work / "distill.jsonl", rows)
+
+    def cli(head: Path, out: str) -> int:
+        return main([
+            "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(work), "--stages",
+            "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
+            "--num-positions", "8", "--batch-size", "8", "--save-dtype", "float32", "--no-progress",
+            "--output", str(work / out), "--init-from-head", str(head),
+        ])  # fmt: skip
+
+    assert cli(tmp_path / "src", "head") == 0
+    started = load_saved_head(work / "head")
+    assert started.config == config
+    np.testing.assert_array_equal(draft_ids_of(started), vocab)
+    np.testing.assert_array_equal(np.load(work / "run_eagle3" / "draft_vocab.npy"), vocab)
+    expected = load_saved_head(tmp_path / "src")
+    for x, y in zip(jax.tree.leaves(expected.params), jax.tree.leaves(started.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    info = json.loads((work / "head" / "training.json").read_text())
+    assert info["init_from_head"] == str(tmp_path / "src")
+
+    capsys.readouterr()
+    assert cli(tmp_path / "medusa", "head2") == 2
+    assert f"{tmp_path / 'medusa'}: holds a medusa head, not eagle3" in capsys.readouterr().err

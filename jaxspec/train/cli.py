@@ -72,6 +72,11 @@ def add_parser(subparsers) -> None:
         help="start the head from the target: lm-head = EAGLE-3's draft LM head (the target's rows of the "
         "draft vocabulary) and final norm; all = also every head decoder layer from the target's last layer",
     )  # fmt: skip
+    p.add_argument(
+        "--init-from-head", metavar="DIR",
+        help="fine-tune an exported head (jaxspec_head.json + params/): its parameters, config and EAGLE-3 "
+        "draft vocabulary instead of fresh ones (--draft-vocab, --init-from-target do not apply)",
+    )  # fmt: skip
     p.add_argument("--medusa-layers", type=int, default=1)
     p.add_argument("--mtp-modules", type=int, default=1)
     p.add_argument("--backbone-weight", type=float, default=0.0, help="MTP: >0 trains the target jointly")
@@ -277,23 +282,46 @@ def run(args: argparse.Namespace) -> int:
         from jaxspec.train.losses import Objective
         from jaxspec.train.trainer import TrainConfig, split_trainable, train
 
-        config = head_config_for(
-            args.method, model.config, depth=args.depth, draft_vocab_size=args.draft_vocab,
-            medusa_layers=args.medusa_layers, mtp_modules=args.mtp_modules, eagle3_layers=capture,
-        )  # fmt: skip
+        start_head = None
+        if args.init_from_head:
+            from jaxspec.errors import ModelLoadError
+            from jaxspec.train.head_setup import draft_ids_of, head_from_directory
+
+            if args.init_from_target != "none":
+                print("jaxspec train: --init-from-head and --init-from-target exclude each other",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            try:
+                start_head = head_from_directory(args.init_from_head, args.method, model.config, capture)
+            except (ModelLoadError, ValueError) as error:
+                print(f"jaxspec train: --init-from-head {error}", file=sys.stderr)
+                return 2
+            config = start_head.config
+        else:
+            config = head_config_for(
+                args.method, model.config, depth=args.depth, draft_vocab_size=args.draft_vocab,
+                medusa_layers=args.medusa_layers, mtp_modules=args.mtp_modules, eagle3_layers=capture,
+            )  # fmt: skip
         draft_ids = None
         if args.method == "eagle3":  # fixed at the first run: more data later must not change it
             vocab_file = workdir / f"run_{args.method}" / "draft_vocab.npy"
             exists = vocab_file.exists()
             barrier("train/draft-vocab-checked")  # every process decides alike before process 0 writes it
-            if exists:
+            if start_head is not None:  # the head's own vocabulary; a resume without the flag keeps it
+                draft_ids = draft_ids_of(start_head)
+                if exists and not np.array_equal(np.load(vocab_file), draft_ids):
+                    print(f"jaxspec train: {vocab_file} is not the draft vocabulary of --init-from-head "
+                          f"{args.init_from_head} (another run's directory?)", file=sys.stderr)  # fmt: skip
+                    return 2
+            elif exists:
                 draft_ids = np.load(vocab_file)
             else:  # the same ids on every process; one writes them
                 draft_ids = draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
+            if not exists:
                 vocab_file.parent.mkdir(parents=True, exist_ok=True)
                 if not multi or jax.process_index() == 0:
                     np.save(vocab_file, draft_ids)
-        head = new_head(config, seed=args.seed, draft_ids=draft_ids)
+        head = start_head if start_head is not None else new_head(config, seed=args.seed, draft_ids=draft_ids)
         if args.init_from_target != "none":
             from jaxspec.train.head_setup import init_from_target
 
@@ -350,6 +378,8 @@ def run(args: argparse.Namespace) -> int:
             "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
             "mesh": args.mesh or "1x1", "throughput": result.throughput,
         }  # fmt: skip
+        if args.init_from_head:
+            info["init_from_head"] = str(Path(args.init_from_head).absolute())
         # Host copies (every process takes part in gathering them): the exported head loads on one
         # device whatever mesh trained it. Process 0 writes it; the others wait until it is complete.
         params = nnx.merge_state(to_host(result.trainable["head"]), to_host(head_fixed))

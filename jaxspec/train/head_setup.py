@@ -16,6 +16,7 @@ from jaxspec.drafters.heads.configs import (
     MtpConfig,
     default_eagle3_layers,
     head_layer_config,
+    method_of,
 )
 from jaxspec.drafters.heads.head import DraftHead, init_head
 from jaxspec.loading.weights import unpack_qkv
@@ -71,6 +72,47 @@ def new_head(
         graphdef, params = init_eagle3(config, dtype, seed, draft_ids)
         return DraftHead(config=config, graphdef=graphdef, params=params, source=f"<random seed={seed}>")
     return init_head(config, dtype, seed)
+
+
+def head_from_directory(
+    directory: str, method: str, target: ModelConfig, capture_layers: Sequence[int]
+) -> DraftHead:
+    """An exported head (jaxspec_head.json + Orbax params/) to continue training from: float32
+    parameters, its own config and, for EAGLE-3, its own draft vocabulary (d2t / t2d, part of the head).
+
+    Raises ModelLoadError when `directory` is not a readable head, ValueError when it is not a `method`
+    head for `target` (hidden size, vocabulary size; EAGLE-3: fused layers = the features'
+    `capture_layers`).
+    """
+    from jaxspec.models.heads.orbax_io import load_own_head
+
+    head = load_own_head(directory, jnp.float32)
+    config = head.config
+    found = method_of(config)
+    if found != method:
+        raise ValueError(f"{directory}: holds a {found} head, not {method}")
+    if isinstance(config, MedusaConfig):
+        hidden, vocab = config.hidden_size, config.vocab_size
+    else:
+        hidden = config.target_hidden_size if isinstance(config, Eagle3Config) else config.layer.hidden_size
+        vocab = config.layer.vocab_size
+    if (hidden, vocab) != (target.hidden_size, target.vocab_size):
+        raise ValueError(
+            f"{directory}: head for a target of hidden size {hidden} and vocabulary {vocab}, this target "
+            f"has {target.hidden_size} and {target.vocab_size}"
+        )
+    if isinstance(config, Eagle3Config) and tuple(config.target_layers) != tuple(capture_layers):
+        raise ValueError(
+            f"{directory}: head fuses target layers {list(config.target_layers)}, the features hold "
+            f"{list(capture_layers)}"
+        )
+    return dataclasses.replace(head, source=f"{head.source} (fine-tuned)")
+
+
+def draft_ids_of(head: DraftHead) -> np.ndarray:
+    """[V_draft] sorted target ids of an EAGLE-3 head's draft vocabulary (from its d2t map)."""
+    d2t = np.asarray(head.params["d2t"].get_value())
+    return np.arange(d2t.shape[0]) + d2t
 
 
 def _copy_decoder_layer(head_layer, target_layer) -> None:

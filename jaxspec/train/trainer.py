@@ -211,7 +211,8 @@ def _to_host(metrics: dict[str, jax.Array]) -> dict[str, Any]:
 
 
 def plot_curves(entries: list[dict], path: Path, title: str = "") -> None:
-    """PNG of total loss and per-depth top-1 accuracy against the step (validation points dashed)."""
+    """PNG of total loss and per-depth top-1 accuracy against the step (validation points dashed, and the
+    validation τ-proxy on the accuracy panel's right axis when logged)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,6 +241,13 @@ def plot_curves(entries: list[dict], path: Path, title: str = "") -> None:
     ax_acc.set_xlabel("step")
     ax_acc.set_ylabel("top-1 accuracy")
     ax_acc.legend()
+    if any("val_tau_proxy" in e for e in validated):  # right axis: the chain a draft of this depth gives
+        taus = [e for e in validated if "val_tau_proxy" in e]
+        ax_tau = ax_acc.twinx()
+        ax_tau.plot([e["step"] for e in taus], [e["val_tau_proxy"] for e in taus], "s:", color="black",
+                    label="validation τ-proxy")  # fmt: skip
+        ax_tau.set_ylabel("validation τ-proxy")
+        ax_tau.legend(loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
