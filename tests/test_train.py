@@ -581,7 +581,7 @@ def test_init_from_head_starts_from_the_exported_head_and_its_vocabulary(
     draft vocabulary alike (a fresh head has other weights and the data's vocabulary); a head of another
     method is refused with a message naming DIR."""
     from jaxspec.cli import main
-    from jaxspec.models.heads.configs import default_eagle3_layers
+    from jaxspec.drafters.heads.configs import default_eagle3_layers
     from jaxspec.train.export import load_saved_head, save_head
     from jaxspec.train.head_setup import draft_ids_of, draft_vocabulary, head_config_for, new_head
 

@@ -19,6 +19,7 @@ from jaxspec.drafters.heads.configs import (
     method_of,
 )
 from jaxspec.drafters.heads.head import DraftHead, init_head
+from jaxspec.drafters.heads.orbax_io import load_own_head
 from jaxspec.loading.weights import unpack_qkv
 from jaxspec.model.config import ModelConfig
 
@@ -84,8 +85,6 @@ def head_from_directory(
     head for `target` (hidden size, vocabulary size; EAGLE-3: fused layers = the features'
     `capture_layers`).
     """
-    from jaxspec.models.heads.orbax_io import load_own_head
-
     head = load_own_head(directory, jnp.float32)
     config = head.config
     found = method_of(config)
