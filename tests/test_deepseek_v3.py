@@ -13,7 +13,7 @@ import torch
 from flax import nnx
 
 import jaxspec
-from jaxspec.errors import ModelLoadError
+from jaxspec.errors import InputError, ModelLoadError
 from jaxspec.model.deepseek_v3.config import DeepseekV3Config, read_deepseek_config
 from jaxspec.model.deepseek_v3.model import DeepseekV3Model
 from jaxspec.model.forward import causal_mask, lm_logits, model_forward
@@ -59,6 +59,26 @@ def test_tiny_deepseek_logits_and_greedy_match_transformers(tiny):
 
 
 @pytest.mark.slow
+def test_attention_pallas_is_refused_not_ignored(tiny):
+    """MLA layers have no Pallas kernel: asking for one is an error that names the option, not a run that
+    silently takes the jnp path; "reference" and "auto" run (and agree)."""
+    _, model = tiny
+    prompt = PROMPTS[0]
+    with pytest.raises(
+        InputError, match=r"SpecConfig.attention='pallas'.*deepseek_v3 model runs auto \| reference"
+    ):
+        jaxspec.generate(
+            model, [prompt], max_new_tokens=2, spec=jaxspec.SpecConfig(method="ngram", attention="pallas")
+        )
+    runs = [
+        jaxspec.generate(
+            model, [prompt], max_new_tokens=3, spec=jaxspec.SpecConfig(method="ngram", attention=a)
+        )
+        for a in ("reference", "auto")
+    ]
+    assert runs[0][0].token_ids == runs[1][0].token_ids
+
+
 def test_fp8_block_scaled_checkpoint_is_dequantised_at_load(tmp_path):
     torch_model = tiny_deepseek(seed=1)
     save_deepseek(torch_model, tmp_path, fp8=True, shards=3)  # torch_model now holds the dequantised weights

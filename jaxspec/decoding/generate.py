@@ -203,6 +203,11 @@ def generate(
     """
     if isinstance(spec, dict):
         spec = SpecConfig.from_dict(spec)
+    if spec is not None and spec.attention not in model.config.attention_impls:
+        raise InputError(
+            f"SpecConfig.attention={spec.attention!r}: a {model.config.architecture} model runs "
+            f"{' | '.join(model.config.attention_impls)}"
+        )
     checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
     token_lists, max_new = checked.token_lists, checked.max_new
     n = len(token_lists)

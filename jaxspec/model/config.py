@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The SpecConfig.attention implementations this architecture's layers run ("auto" picks among them).
+    attention_impls: ClassVar[tuple[str, ...]] = ("auto", "reference", "pallas")
 
     def __post_init__(self) -> None:
         """Range checks (ValueError naming the field; loaders add the file)."""

@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from jaxspec.errors import ModelLoadError
 from jaxspec.model.config import ModelConfig
@@ -65,6 +65,8 @@ class DeepseekV3Config(ModelConfig):
     YaRN rope scaling over the rope part, or None (plain rope).
     """
 
+    # MLA layers always run their jnp absorbed form (no Pallas latent-attention kernel yet).
+    attention_impls: ClassVar[tuple[str, ...]] = ("auto", "reference")
     moe_intermediate_size: int = 1
     n_routed_experts: int = 1
     n_shared_experts: int = 0
