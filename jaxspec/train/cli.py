@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
 
         start_head = None
         if args.init_from_head:
-            from jaxspec.errors import ModelLoadError
+            from jaxspec.errors import InputError, ModelLoadError
             from jaxspec.train.head_setup import draft_ids_of, head_from_directory
 
             if args.init_from_target != "none":
@@ -292,8 +292,8 @@ def run(args: argparse.Namespace) -> int:
                       file=sys.stderr)  # fmt: skip
                 return 2
             try:
-                start_head = head_from_directory(args.init_from_head, args.method, model.config, capture)
-            except (ModelLoadError, ValueError) as error:
+                start_head = head_from_directory(args.init_from_head, args.method, model, capture)
+            except (InputError, ModelLoadError, ValueError) as error:
                 print(f"jaxspec train: --init-from-head {error}", file=sys.stderr)
                 return 2
             config = start_head.config

@@ -20,8 +20,10 @@ from jaxspec.drafters.heads.configs import (
 )
 from jaxspec.drafters.heads.head import DraftHead, init_head
 from jaxspec.drafters.heads.orbax_io import load_own_head
+from jaxspec.drafters.heads.registry import check_head_fits
 from jaxspec.loading.weights import unpack_qkv
 from jaxspec.model.config import ModelConfig
+from jaxspec.model.target import Model
 
 
 def draft_vocabulary(rows: Sequence[dict], vocab_size: int, size: int) -> np.ndarray:
@@ -76,29 +78,26 @@ def new_head(
 
 
 def head_from_directory(
-    directory: str, method: str, target: ModelConfig, capture_layers: Sequence[int]
+    directory: str, method: str, model: Model, capture_layers: Sequence[int]
 ) -> DraftHead:
     """An exported head (jaxspec_head.json + Orbax params/) to continue training from: float32
     parameters, its own config and, for EAGLE-3, its own draft vocabulary (d2t / t2d, part of the head).
 
-    Raises ModelLoadError when `directory` is not a readable head, ValueError when it is not a `method`
-    head for `target` (hidden size, vocabulary size; EAGLE-3: fused layers = the features'
-    `capture_layers`).
+    Raises ModelLoadError when `directory` is not a readable head, InputError when it does not fit
+    `model` (`check_head_fits`: hidden sizes, EAGLE-3's fused feature width and layers), ValueError when
+    it is not a `method` head, has another vocabulary size, or (EAGLE-3) fuses other layers than the
+    features' `capture_layers`.
     """
     head = load_own_head(directory, jnp.float32)
     config = head.config
     found = method_of(config)
     if found != method:
         raise ValueError(f"{directory}: holds a {found} head, not {method}")
-    if isinstance(config, MedusaConfig):
-        hidden, vocab = config.hidden_size, config.vocab_size
-    else:
-        hidden = config.target_hidden_size if isinstance(config, Eagle3Config) else config.layer.hidden_size
-        vocab = config.layer.vocab_size
-    if (hidden, vocab) != (target.hidden_size, target.vocab_size):
+    check_head_fits(head, model)
+    vocab = config.vocab_size if isinstance(config, MedusaConfig) else config.layer.vocab_size
+    if vocab != model.config.vocab_size:
         raise ValueError(
-            f"{directory}: head for a target of hidden size {hidden} and vocabulary {vocab}, this target "
-            f"has {target.hidden_size} and {target.vocab_size}"
+            f"{directory}: head for a vocabulary of {vocab}, this target has {model.config.vocab_size}"
         )
     if isinstance(config, Eagle3Config) and tuple(config.target_layers) != tuple(capture_layers):
         raise ValueError(
