@@ -108,9 +108,10 @@ def _set_rows(tree, rows: jax.Array, values):
 
 def prefill_widths(prompt_len: int) -> tuple[int, ...]:
     """The prompt widths an admit prefills at, up to the bank's prompt_len (a power of two): 16, 32,
-    48, 64, 96, 128, 192, 256, ... (powers of two and 1.5 times powers of two). Steps of 1.5x instead
-    of 2x pad the dev prompts' admits to ~22% fewer prefill tokens (each prompt token costs as much as
-    a decoded one); each width is one more branch of the compiled admit."""
+    48, 64, 96, 128, 192, 256, ... (powers of two and 1.5 times powers of two). With the bank ordered
+    by budget an admit group mixes prompt lengths; steps of 1.5x instead of 2x keep its padding about
+    where power-of-two widths left the length-ordered bank (README, "Continuous batching"; each prompt
+    token costs as much as a decoded one). Each width is one more branch of the compiled admit."""
     widths, power = [length_bucket(1)], length_bucket(1)
     while widths[-1] < prompt_len:
         if power >= 32:
