@@ -16,7 +16,7 @@ from jaxspec.batch.job import main
 from jaxspec.batch.requests import RequestDefaults, TokenizedRequest, parse_request, read_requests
 from jaxspec.batch.results import open_results
 from jaxspec.batch.schedule import plan_batches, plan_pending
-from jaxspec.config import SpecConfig
+from jaxspec.config import SamplingParams, SpecConfig
 from jaxspec.drafters.policy import SpeculationPolicy, choose_spec, default_policy, load_policy
 from jaxspec.errors import InputError, JaxspecError
 
@@ -278,8 +278,9 @@ def test_per_request_parameters_and_batch_independence(tmp_path, tiny_dir):
 # ---------------------------------------------------------------------------------------------------
 
 # Runs the job with one hook: after the `at`-th batch is written ("after"), halfway through writing it
-# ("torn": the first record and half of the second reach the disk), or with the batch computed but not
-# yet written ("inflight"), it prints PAUSED and sleeps until the test kills it with SIGKILL.
+# ("torn": the first record and half of the second reach the disk; the first write from the `at`-th on
+# with 2+ records), or with the batch computed but not yet written ("inflight"), it prints PAUSED and
+# sleeps until the test kills it with SIGKILL.
 DRIVER = textwrap.dedent(
     """
     import json, os, sys, time
@@ -297,7 +298,7 @@ DRIVER = textwrap.dedent(
 
     def append(self, records):
         calls["write"] += 1
-        if mode == "torn" and calls["write"] == at:
+        if mode == "torn" and calls["write"] >= at and len(records) >= 2:  # the first 2+ record write
             lines = [json.dumps(r).encode() + b"\\n" for r in records]
             self.owned.begin_append(len(lines[0] + lines[1]))
             self.write_raw(lines[0] + lines[1][: len(lines[1]) // 2])
@@ -449,9 +450,10 @@ def test_plan_pending_keeps_each_requests_planned_batch_size():
 
 @pytest.mark.slow
 def test_resume_with_policy_auto_and_sampling_gives_the_uninterrupted_tokens(tmp_path, tiny_dir):
-    """--policy auto picks the draft shape from the batch's row count (here k=3 alone, k=1 at 2 rows).
-    A kill mid-write leaves r0..r2; the resumed r3 and r4 must keep their planned batches ([r2, r3]: 2
-    rows, [r4]: 1 row), not be re-planned as one 2-row batch: sampled tokens depend on the shape."""
+    """Static batches: --policy auto picks the draft shape from each batch's row count (here k=3 alone,
+    k=1 at 2 rows). A kill mid-write leaves r0..r2; the resumed r3 and r4 must keep their planned batches
+    ([r2, r3]: 2 rows, [r4]: 1 row), not be re-planned as one 2-row batch: sampled tokens depend on the
+    shape."""
     requests = [
         {
             "id": f"r{i}",
@@ -466,7 +468,7 @@ def test_resume_with_policy_auto_and_sampling_gives_the_uninterrupted_tokens(tmp
     rules = [{"max_batch": 1, "num_speculative_tokens": 3}, {"max_batch": 2, "num_speculative_tokens": 1}]
     policy = json.dumps({"rules": rules})
     common = ["--input", str(src), "--model", str(tiny_dir), "--batch-size", "2", "--policy-json", policy]
-    common += ["--no-progress"]
+    common += ["--no-progress", "--batching", "static"]
     reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
     run_driver(tmp_path, [*common, "--output", str(reference)], "none")
     args = [*common, "--output", str(out)]
@@ -476,3 +478,104 @@ def test_resume_with_policy_auto_and_sampling_gives_the_uninterrupted_tokens(tmp
     expected = {r["id"]: (r["token_ids"], r["stats"]["speculation"]) for r in read_jsonl(reference)}
     assert {r["id"]: (r["token_ids"], r["stats"]["speculation"]) for r in read_jsonl(out)} == expected
     assert expected["r4"][1] == "ngram k=3 topk=1" and expected["r3"][1] == "ngram k=1 topk=1"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Continuous batching with n-gram speculation
+# ---------------------------------------------------------------------------------------------------
+
+# Self-repeating prompts (prompt lookup finds drafts), budgets from 2 to 30, greedy and sampled.
+NGRAM_JOB = [
+    {"id": f"s{i}", "prompt_ids": (pattern * 6)[:length], "max_new_tokens": budget, **sampled}
+    for i, (pattern, length, budget, sampled) in enumerate(
+        [
+            ([242, 287, 52], 9, 30, {}),
+            ([314], 8, 2, {"temperature": 1.0, "seed": 3}),
+            ([123, 73], 12, 20, {}),
+            ([155], 8, 5, {}),
+            ([24, 294], 14, 30, {"temperature": 0.7, "top_p": 0.9, "seed": 5}),
+            ([77, 20], 5, 9, {}),
+            ([47, 42, 164, 261], 11, 3, {"temperature": 1.0, "seed": 8}),
+        ]
+    )
+]
+SPECULATE_AT_4 = '{"rules": [{"max_batch": 4, "num_speculative_tokens": 2}]}'
+
+
+def test_continuous_job_speculates_with_ngram_and_matches_each_request_alone(tmp_path, tiny_dir, capsys):
+    """--policy auto speculating at the slot count (4): the job runs continuously (no static-batch
+    note), every result says ngram k=2 with its own rounds and acceptance, and each request's tokens are
+    those `jaxspec.generate` gives it alone with that spec, seed and id."""
+    import jaxspec
+    from jaxspec.decoding.generate import request_id_from_string
+
+    src = write_jsonl(tmp_path / "in.jsonl", NGRAM_JOB)
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(src), "--output", str(out), "--model", str(tiny_dir), "--batch-size", "4"]
+    assert main([*args, "--policy-json", SPECULATE_AT_4, "--steps-per-call", "3", "--no-progress"]) == 0
+    assert "static batches" not in capsys.readouterr().err
+    records = {r["id"]: r for r in read_jsonl(out)}
+    assert list(records) != [r["id"] for r in NGRAM_JOB]  # streamed as they finished
+    model = jaxspec.load(str(tiny_dir))
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2)
+    for request in NGRAM_JOB:
+        record = records[request["id"]]
+        sampling = SamplingParams(request.get("temperature", 0.0), top_p=request.get("top_p", 1.0))
+        (alone,) = jaxspec.generate(
+            model, [request["prompt_ids"]], max_new_tokens=request["max_new_tokens"], sampling=sampling,
+            seed=request.get("seed", 0), request_ids=[request_id_from_string(request["id"])], spec=spec,
+        )  # fmt: skip
+        assert record["token_ids"] == alone.token_ids, request["id"]
+        stats = record["stats"]
+        assert (stats["speculation"], stats["batch_size"]) == ("ngram k=2 topk=1", 4)
+        assert stats["rounds"] == alone.stats["rounds"]
+        assert stats["accepted_by_depth"] == alone.stats["accepted_by_depth"]
+        assert stats["mean_accepted_length"] == round(alone.stats["mean_accepted_length"], 4)
+    assert max(r["stats"]["mean_accepted_length"] for r in records.values()) > 1.0
+
+
+def test_continuous_job_with_a_head_drafter_runs_static_batches(tmp_path, tiny_dir, capsys, monkeypatch):
+    """Only n-gram speculation runs in the continuous loop: a job drafting with EAGLE runs static
+    batches, and says so (the generation itself is stubbed out: only the routing is checked here)."""
+    import jaxspec.batch.job as job
+
+    ran = []
+    monkeypatch.setattr(job, "generate_batches", lambda *args, **kwargs: ran.append("static"))
+    monkeypatch.setattr(job, "generate_continuously", lambda *args, **kwargs: ran.append("continuous"))
+    src = write_jsonl(tmp_path / "in.jsonl", NGRAM_JOB[:2])
+    args = ["--input", str(src), "--model", str(tiny_dir), "--no-progress", "--policy", "fixed"]
+    eagle = '{"method": "eagle", "head": "random", "num_speculative_tokens": 2}'
+    assert main([*args, "--output", str(tmp_path / "a.jsonl"), "--spec", eagle]) == 0
+    assert "eagle speculation runs in static batches" in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path / "b.jsonl"), "--spec", "ngram"]) == 0
+    assert "static batches" not in capsys.readouterr().err
+    assert ran == ["static", "continuous"]
+
+
+@pytest.mark.slow
+def test_speculating_continuous_job_killed_twice_resumes_to_the_uninterrupted_output(tmp_path, tiny_dir):
+    """The n-gram continuous job above, 4 slots, results every 3 iterations: killed halfway through a
+    write and just after one, then rerun: every id once, each with the uninterrupted run's tokens and
+    stats (the draft shape depends only on --batch-size)."""
+    src = write_jsonl(tmp_path / "in.jsonl", NGRAM_JOB)
+    common = ["--input", str(src), "--model", str(tiny_dir), "--batch-size", "4", "--steps-per-call", "3"]
+    common += ["--policy-json", SPECULATE_AT_4, "--no-progress"]
+    reference, out = tmp_path / "reference.jsonl", tmp_path / "out.jsonl"
+    run_driver(tmp_path, [*common, "--output", str(reference)], "none")
+    expected = {
+        r["id"]: (r["token_ids"], r["stats"]["rounds"], r["stats"]["speculation"])
+        for r in read_jsonl(reference)
+    }
+    assert {speculation for _, _, speculation in expected.values()} == {"ngram k=2 topk=1"}
+    args = [*common, "--output", str(out)]
+    run_driver(tmp_path, args, "torn", at=2)
+    first = complete_ids(out)
+    assert 0 < len(first) < len(NGRAM_JOB)
+    run_driver(tmp_path, args, "after", at=1)
+    assert len(complete_ids(out)) > len(first)
+    run_driver(tmp_path, args, "none")
+    final = read_jsonl(out)
+    assert sorted(r["id"] for r in final) == sorted(r["id"] for r in NGRAM_JOB)  # nothing lost or twice
+    assert {
+        r["id"]: (r["token_ids"], r["stats"]["rounds"], r["stats"]["speculation"]) for r in final
+    } == expected

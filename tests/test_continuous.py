@@ -1,18 +1,21 @@
 """Continuous batching: slots refilled inside one compiled loop give each request exactly the tokens it
-gets alone (greedy and sampled), whatever its slot, neighbours or refill order."""
+gets alone (greedy and sampled), whatever its slot, neighbours or refill order, decoding
+autoregressively or speculating with n-gram prompt lookup."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+import torch
 
 import jaxspec
-from jaxspec.config import SamplingParams
+from jaxspec.config import SamplingParams, SpecConfig
 from jaxspec.decoding.continuous import (
     admit_width,
     generate_continuous,
     init_state,
     prefill_widths,
+    prepare_continuous,
     run_continuous,
 )
 from jaxspec.decoding.generate import check_requests, padded_requests
@@ -123,3 +126,132 @@ def test_bad_continuous_input_names_the_problem(tiny):
         generate_continuous(tiny, [[1], [2]], max_new_tokens=[1, 0])
     with pytest.raises(InputError, match="prompt 0 has 500 tokens .* beyond the model's context of 512"):
         generate_continuous(tiny, [[1] * 500], max_new_tokens=20)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Speculation (n-gram prompt lookup) inside the continuous loop
+# ---------------------------------------------------------------------------------------------------
+
+# Prompts that repeat themselves (prompt lookup finds continuations) with budgets from 2 to 40: more
+# requests than slots, finishing at very different rounds (some by EOS), so slots are refilled.
+SPEC_PROMPTS = [
+    [242, 287, 52, 242, 287, 52, 242, 287, 52], [314] * 8, [125, 167, 33, 125, 167, 33, 125],
+    [123, 73] * 6, [155] * 8, [295, 124, 149, 295, 124, 149], [24, 294] * 7, [77, 20, 77, 20, 77],
+]  # fmt: skip
+SPEC_BUDGETS = [40, 3, 33, 5, 25, 2, 17, 40]
+NGRAM = SpecConfig(method="ngram", num_speculative_tokens=3, ngram_max=3)
+HOT = SamplingParams(temperature=0.8, top_p=0.9)
+SPEC_SEEDS = [21, 22, 23, 24, 25, 26, 27, 28]
+SPEC_IDS = [501, 502, 503, 504, 505, 506, 507, 508]
+
+
+@pytest.fixture(scope="module")
+def confident(tmp_path_factory):
+    """The tiny model with its LM head scaled by 4: sharper next-token distributions, so sampled n-gram
+    drafts get accepted too (greedy tokens are the same as the plain tiny model's)."""
+    path = tmp_path_factory.mktemp("tiny_confident")
+    torch_model = save_tiny("llama", path, eos_token_id=[131, 169])
+    with torch.no_grad():
+        torch_model.lm_head.weight.mul_(4.0)
+    torch_model.save_pretrained(path, safe_serialization=True)
+    return jaxspec.load(str(path))
+
+
+def sampled_kwargs(sampled: bool) -> dict:
+    return dict(sampling=HOT, seed=SPEC_SEEDS, request_ids=SPEC_IDS) if sampled else {}
+
+
+@pytest.fixture(scope="module")
+def spec_alone(confident):
+    """{sampled: [Completion of each SPEC_PROMPTS request run alone with `jaxspec.generate`]}."""
+    out = {}
+    for sampled in (False, True):
+        out[sampled] = []
+        for i, (prompt, budget) in enumerate(zip(SPEC_PROMPTS, SPEC_BUDGETS, strict=True)):
+            kwargs = dict(sampling=HOT, seed=SPEC_SEEDS[i], request_ids=[SPEC_IDS[i]]) if sampled else {}
+            (c,) = jaxspec.generate(confident, [prompt], max_new_tokens=budget, spec=NGRAM, **kwargs)
+            out[sampled].append(c)
+    return out
+
+
+def assert_same_as_alone(together, reference, what: str) -> None:
+    for i, (a, c) in enumerate(zip(reference, together, strict=True)):
+        assert c.token_ids == a.token_ids, f"{what}: request {i}"
+        assert c.finish_reason == a.finish_reason, f"{what}: request {i}"
+        assert c.stats["rounds"] == a.stats["rounds"], f"{what}: request {i}"
+        assert c.stats["accepted_by_depth"] == a.stats["accepted_by_depth"], f"{what}: request {i}"
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_ngram_continuous_equals_each_request_alone(confident, spec_alone, sampled):
+    """n-gram speculation in 3 refilled slots: each request gets the tokens, rounds and acceptance it
+    gets alone (greedy: the same tokens; sampled at temperature 0.8, top-p 0.9: the same tokens for the
+    same seed and request id), and drafts were accepted (or this would prove nothing)."""
+    reference = spec_alone[sampled]
+    together = generate_continuous(
+        confident, SPEC_PROMPTS, max_new_tokens=SPEC_BUDGETS, spec=NGRAM, slots=3, admit_rows=2,
+        steps_per_call=5, **sampled_kwargs(sampled),
+    )  # fmt: skip
+    assert_same_as_alone(together, reference, "sampled" if sampled else "greedy")
+    accepting = [c for c in together if sum(c.stats["accepted_by_depth"]) > 0]
+    assert len(accepting) >= 3  # several requests had rounds that accepted >= 1 draft token
+    assert any(c.stats["accepted_by_depth"][1] > 0 for c in together)  # some accepted 2+ at once
+    if sampled:  # it really sampled: not the greedy tokens
+        assert [c.token_ids for c in together] != [c.token_ids for c in spec_alone[False]]
+    else:
+        assert {c.finish_reason for c in together} == {"stop", "length"}
+        # Speculation is lossless: greedy tokens equal greedy autoregressive decoding.
+        plain = generate_continuous(confident, SPEC_PROMPTS, max_new_tokens=SPEC_BUDGETS, slots=3)
+        assert [c.token_ids for c in together] == [c.token_ids for c in plain]
+
+
+def test_request_in_a_refilled_slot_equals_itself_alone(confident, spec_alone):
+    """Step the loop one iteration at a time and watch the slots: requests admitted into a slot another
+    request held before (its history, drafter state, round index and stats must all start afresh) get
+    their tokens alone, sampled; one compiled program serves every call."""
+    order = [1, 5, 3, 0, 2, 4, 6, 7]  # short budgets first: their slots are refilled early
+    checked = check_requests(
+        confident, [SPEC_PROMPTS[i] for i in order], [SPEC_BUDGETS[i] for i in order],
+        [HOT] * len(order), [SPEC_SEEDS[i] for i in order], [SPEC_IDS[i] for i in order],
+    )  # fmt: skip
+    state, run = prepare_continuous(confident, checked, slots=3, admit_rows=2, spec=NGRAM)
+    held: dict[int, list[int]] = {slot: [] for slot in range(3)}  # bank indices each slot held, in order
+    state = run(state, 1)
+    compiled = run_continuous._cache_size()
+    while not bool(state.results.done.all()):
+        for slot, request in enumerate(state.slot_request.tolist()):
+            if request >= 0 and (not held[slot] or held[slot][-1] != request):
+                held[slot].append(request)
+        state = run(state, 1)
+    assert run_continuous._cache_size() == compiled
+    refilled = [request for requests in held.values() for request in requests[1:]]
+    assert len(refilled) >= 3
+    tokens, counts = state.results.tokens.tolist(), state.results.count.tolist()
+    for bank_index in refilled:
+        alone = spec_alone[True][order[bank_index]]
+        assert tokens[bank_index][: counts[bank_index]] == alone.token_ids, f"bank row {bank_index}"
+        assert int(state.result_rounds[bank_index]) == alone.stats["rounds"]
+        assert state.result_accepted_by_depth[bank_index].tolist() == alone.stats["accepted_by_depth"]
+    assert sum(sum(spec_alone[True][order[i]].stats["accepted_by_depth"]) for i in refilled) > 0
+
+
+def test_ngram_continuous_stats_are_consistent_with_the_tokens(confident):
+    """Per request: every round keeps >= 1 token and at most 1 + its accepted drafts, so rounds <=
+    new tokens - 1 <= rounds + accepted; a draft at depth d + 1 is accepted only after depth d's; the
+    mean accepted length is tokens per round after the first token."""
+    together = generate_continuous(
+        confident, SPEC_PROMPTS, max_new_tokens=SPEC_BUDGETS, spec=NGRAM, slots=3, admit_rows=2
+    )
+    for i, c in enumerate(together):
+        rounds, by_depth, new = c.stats["rounds"], c.stats["accepted_by_depth"], len(c.token_ids)
+        assert len(by_depth) == NGRAM.num_speculative_tokens
+        assert rounds <= new - 1 <= rounds + sum(by_depth), f"request {i}"
+        assert all(a >= b for a, b in zip(by_depth[:-1], by_depth[1:], strict=True)), f"request {i}"
+        assert c.stats["mean_accepted_length"] == pytest.approx((new - 1) / rounds if rounds else 0.0)
+    assert max(c.stats["mean_accepted_length"] for c in together) > 1.0
+
+
+def test_continuous_refuses_drafters_it_cannot_reset(tiny):
+    for method in ("eagle3", "draft_model"):
+        with pytest.raises(InputError, match=f"method '{method}' is not supported in continuous batching"):
+            generate_continuous(tiny, PROMPTS, spec=SpecConfig(method=method))

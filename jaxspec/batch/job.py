@@ -10,9 +10,13 @@ with --skip-invalid, goes to the errors JSONL and the rest runs.
 
 Batching: --batching continuous (default) decodes through --batch-size slots refilled inside one
 compiled loop (`jaxspec.decoding.continuous`): a finished request frees its slot for the next one, and every
---steps-per-call loop iterations the requests finished so far are appended. A job that speculates
-(the policy picks a draft shape at --batch-size rows, or --policy fixed) runs --batching static: one
-`jaxspec.generate` call per planned batch, appended when the batch finishes.
+--steps-per-call loop iterations the requests finished so far are appended. A continuous job speculates
+in the same loop, with one draft shape for the whole job: the policy's pick at --batch-size rows (the
+slot count), or --spec as given with --policy fixed. Continuous batching speculates with n-gram prompt
+lookup only (`continuous.CONTINUOUS_SPEC_METHODS`); a job whose method is another one (draft_model,
+medusa, eagle, eagle3, mtp) runs --batching static, as --batching static always does: one
+`jaxspec.generate` call per planned batch, appended when the batch finishes, the policy picking the draft
+shape per batch.
 
 Output: one line per finished request, in the order they finish (not input order):
     {"id", "text", "token_ids", "finish_reason", "stats": {"prompt_tokens", "new_tokens", "rounds",
@@ -25,19 +29,21 @@ in the output are skipped (a partial last line left by a kill is cut off and rec
 writes only to an output it created (sidecar OUTPUT.jaxspec-state, see `jaxspec.batch.output_file`),
 holds a lock on it while it runs, and refuses an --output / --errors that is the input. The output is
 keyed by id alone: a rerun does not redo an id whose parameters changed in the input. Each request's
-randomness comes from (seed, id), and batches are planned over the whole input (finished requests
-included), so a resumed request keeps its planned batch size and with it the draft shape --policy auto
-picks: resumed and uninterrupted runs give the same tokens (same command, same --batch-size).
+randomness comes from (seed, id); a continuous job's draft shape depends only on --batch-size, and static
+batches are planned over the whole input (finished requests included), so a resumed request keeps its
+planned batch size and with it the draft shape --policy auto picks: resumed and uninterrupted runs give
+the same tokens (same command, same --batch-size).
 
 Prompts: `prompt` text is rendered as one user message with the model's chat template (as
 `jaxspec generate --prompt` does) unless --no-chat; `messages` always use the template; `prompt_ids`
 (pre-tokenized) are used as is, which also serves models without a tokenizer.
 
 Speculation: --policy auto (default) drafts with --spec's method (n-gram when none is given) and lets
-the batch-aware policy (`jaxspec.drafters.policy`) pick the draft shape from the batch's row count
-(padded to a power of two, as compiled) or turn speculation off; --policy fixed uses --spec exactly as
-given; --policy off never speculates. With the default exact acceptance, speculation changes the
-speed, not the distribution of the outputs (greedy outputs are token-identical).
+the batch-aware policy (`jaxspec.drafters.policy`) pick the draft shape from the compiled row count
+(continuous: the slot count; static: the batch padded to a power of two) or turn speculation off;
+--policy fixed uses --spec exactly as given; --policy off never speculates. With the default exact
+acceptance, speculation changes the speed, not the distribution of the outputs (greedy outputs are
+token-identical).
 
 Set JAX_COMPILATION_CACHE_DIR to reuse compiled programs across runs (e.g. when resuming).
 """
@@ -115,7 +121,8 @@ def add_job_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument(
         "--batching", choices=("continuous", "static"), default="continuous",
         help="continuous: finished slots refilled inside the compiled loop, results streamed as they "
-        "finish (default; static batches whenever the job speculates); static: one generate call per batch",
+        "finish (default; speculates with ngram only: a job drafting with another method runs static); "
+        "static: one generate call per batch",
     )  # fmt: skip
     p.add_argument(
         "--steps-per-call", type=int, default=64,
@@ -281,18 +288,22 @@ def generate_continuously(
     stats: RunStats,
     slots: int,
     steps_per_call: int,
+    spec: Any = None,
     show_progress: bool = True,
 ) -> None:
-    """Autoregressive generation of every item through `slots` continuously refilled slots
-    (`jaxspec.decoding.continuous.generate_continuous`). Every `steps_per_call` loop iterations, the requests
-    finished since the last call are appended (one write + fsync) in the order they finished; time_s is
-    the time from the start of the run to the call that finished the request."""
+    """Generation of every item through `slots` continuously refilled slots, autoregressive or
+    speculating with `spec` (`jaxspec.decoding.continuous.generate_continuous`). Every `steps_per_call`
+    loop iterations, the requests finished since the last call are appended (one write + fsync) in the
+    order they finished; time_s is the time from the start of the run to the call that finished the
+    request."""
     from tqdm import tqdm
 
     from jaxspec.decoding.continuous import generate_continuous
+    from jaxspec.drafters.policy import describe_spec
 
     if not items:
         return
+    label, depth = describe_spec(spec), spec.num_speculative_tokens if spec is not None else 0
     last = [time.perf_counter()]
     progress = tqdm(total=len(items), unit="req", desc="generate", disable=not show_progress, file=sys.stderr)
     with progress as bar:
@@ -300,20 +311,22 @@ def generate_continuously(
         def write(finished: list[tuple[int, Any]]) -> None:
             now = time.perf_counter()
             writer.append(
-                [result_record(items[i], c, c.stats["batch_time_s"], slots, "off") for i, c in finished]
+                [result_record(items[i], c, c.stats["batch_time_s"], slots, label) for i, c in finished]
             )
-            stats.add_batch([c for _, c in finished], now - last[0], "off", 0)
+            stats.add_batch([c for _, c in finished], now - last[0], label, depth)
             last[0] = now
             bar.update(len(finished))
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}", accepted=f"{stats.mean_accepted_length:.2f}")
 
         generate_continuous(
-            model, slots=slots, steps_per_call=steps_per_call, on_finished=write, **_request_arguments(items)
-        )
+            model, slots=slots, steps_per_call=steps_per_call, on_finished=write, spec=spec,
+            **_request_arguments(items),
+        )  # fmt: skip
 
 
 def run_job(args: argparse.Namespace) -> int:
     """The job itself (arguments already parsed); returns the exit code."""
+    from jaxspec.decoding.continuous import CONTINUOUS_SPEC_METHODS
     from jaxspec.drafters.policy import choose_spec, load_policy
 
     if args.batch_size < 1:
@@ -333,17 +346,22 @@ def run_job(args: argparse.Namespace) -> int:
         print(f"jaxspec: removed a partial last line ({repaired} bytes) from {args.output}", file=sys.stderr)
     pending = [item for item in ready if item.request.key not in done]
     stats = RunStats(invalid=len(issues), skipped_done=len(ready) - len(pending))
-    # Continuous batching decodes autoregressively; the job runs it unless the policy speculates at
-    # this row count (decided for the whole job, so a resumed run decides the same).
-    job_spec = pick_spec(batch_bucket(args.batch_size))
-    continuous = args.batching == "continuous" and job_spec is None
-    if args.batching == "continuous" and job_spec is not None:
-        print("jaxspec: note: the job speculates, which runs in static batches", file=sys.stderr)
+    # A continuous job runs one draft shape, the policy's pick for its slot count (decided for the whole
+    # job, so a resumed run decides the same); drafters it cannot reset per slot run in static batches.
+    job_spec = pick_spec(args.batch_size)
+    supported = job_spec is None or job_spec.method in CONTINUOUS_SPEC_METHODS
+    continuous = args.batching == "continuous" and supported
+    if args.batching == "continuous" and not continuous:
+        print(
+            f"jaxspec: note: {job_spec.method} speculation runs in static batches (continuous batching "
+            f"speculates with {', '.join(CONTINUOUS_SPEC_METHODS)} only)",
+            file=sys.stderr,
+        )
     try:
         with writer:
             if continuous:
                 generate_continuously(
-                    model, pending, writer, stats, args.batch_size, args.steps_per_call,
+                    model, pending, writer, stats, args.batch_size, args.steps_per_call, job_spec,
                     show_progress=not args.no_progress,
                 )  # fmt: skip
             else:

@@ -7,7 +7,9 @@ sampling parameters). Each iteration of the loop does one of two things:
 * admit: when at least `admit_rows` slots are free (or every remaining request fits in the free
   slots), the next `admit_rows` requests of the bank are prefilled together (one [admit_rows, P]
   forward) and their keys/values, first token and parameters are written into free slots;
-* decode: otherwise one autoregressive token for every slot.
+* decode: otherwise one autoregressive token for every slot, or, with a speculative config
+  (`generate_continuous(..., spec=SpecConfig(method="ngram", ...))`), one speculative round for every
+  slot: `decoding.speculative.speculative_round`, the round the speculative loop runs.
 
 After either, a slot whose request is finished (EOS or budget) writes its output row into the result
 bank (`[N, capacity]`) and becomes free. No host round trip per token: the host calls `run_continuous`
@@ -17,7 +19,11 @@ again with the donated state until every request is done.
 A request's tokens do not depend on its slot or its neighbours: its first token is drawn with the key of
 round 0 at prefill, and its j-th token with the key of round j (`sampling.derive_key(seed, request id,
 j, PURPOSE_BONUS)`), exactly as `jaxspec.generate` draws them for the request alone; every operation
-of a step is row-wise.
+of a step is row-wise. Speculating, each slot carries its request's history (prompt + emitted tokens),
+drafter state, round index and acceptance stats (`DraftRows`), all set afresh when a request is admitted
+into the slot: the slot's r-th round draws the keys of round r of (seed, request id), as the request's
+r-th round alone does. Drafters whose per-row state an admit can reset (CONTINUOUS_SPEC_METHODS) run
+here; the others run in `jaxspec.generate`'s static batches.
 """
 
 from __future__ import annotations
@@ -26,23 +32,28 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import sampling
-from jaxspec.config import SamplingParams
+from jaxspec.config import SamplingParams, SpecConfig
 from jaxspec.decoding.generate import (
     CheckedRequests,
     Completion,
     Prompt,
     check_requests,
+    check_spec,
     completion,
     padded_requests,
 )
 from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, first_output
 from jaxspec.decoding.prefill import Requests, prefill
+from jaxspec.decoding.speculative import DraftRows, SpecState, spec_buffer_sizes, speculative_round
+from jaxspec.drafters.make import make_drafter
+from jaxspec.drafters.protocol import Drafter
 from jaxspec.errors import InputError
 from jaxspec.model.buckets import length_bucket
 from jaxspec.model.config import ModelConfig
@@ -63,7 +74,12 @@ class ContinuousState:
     index of the request in each slot, -1 when free; params: the request in each slot (a bank row);
     next_request: scalar, bank index of the next request to admit; results: the bank's output rows
     [N, capacity] (done = finished and written); iterations: scalar, loop iterations so far (admits +
-    decode steps); decode_steps: scalar, decode steps so far.
+    decode steps); decode_steps: scalar, decode steps (speculative rounds) so far.
+
+    Speculating (None otherwise): draft: the slots' `DraftRows` (history [B, P + capacity], drafter
+    state, rounds, accepted_by_depth [B, D], round index), reset for a slot when a request is admitted
+    into it; result_rounds [N] and result_accepted_by_depth [N, D]: each finished request's stats.
+    pending is the autoregressive decode's input; a speculative round's root is the history's last token.
     """
 
     cache: KVCache
@@ -75,12 +91,31 @@ class ContinuousState:
     results: OutputBuffer
     iterations: jax.Array
     decode_steps: jax.Array
+    draft: DraftRows | None = None
+    result_rounds: jax.Array | None = None
+    result_accepted_by_depth: jax.Array | None = None
+
+
+# Drafters a continuous run speculates with: their per-row state is reset by an admit (`run_continuous`).
+CONTINUOUS_SPEC_METHODS = ("ngram",)
 
 
 def init_state(
-    config: ModelConfig, bank: Requests, slots: int, max_len: int, capacity: int, dtype
+    config: ModelConfig,
+    bank: Requests,
+    slots: int,
+    max_len: int,
+    capacity: int,
+    dtype,
+    *,
+    drafter: Drafter | None = None,
+    drafter_state: Any = (),
 ) -> ContinuousState:
-    """Every slot free, nothing admitted; the cache is [slots, ..., max_len, ...] zeros."""
+    """Every slot free, nothing admitted; the cache is [slots, ..., max_len, ...] zeros.
+
+    drafter: speculate with it (None: autoregressive); drafter_state: its state for `slots` free rows
+    (every leaf [slots, ...]; `idle_drafter_state`).
+    """
     n = bank.prompt_tokens.shape[0]
     idle = OutputBuffer.empty(slots, capacity)
     idle = dataclasses.replace(idle, done=jnp.ones((slots,), bool))
@@ -88,17 +123,42 @@ def init_state(
     def zeros() -> jax.Array:  # a fresh buffer per leaf: the state is donated leaf by leaf
         return jnp.zeros((slots,), jnp.int32)
 
+    placeholders = jax.tree.map(lambda x: x[zeros()], bank)  # the bank's first row in every slot
+    draft, result_rounds, result_by_depth = None, None, None
+    if drafter is not None:
+        width = bank.prompt_tokens.shape[1] + capacity
+        draft = DraftRows.after_prefill(placeholders, zeros(), width, drafter_state, drafter.max_depth)
+        result_rounds = jnp.zeros((n,), jnp.int32)
+        result_by_depth = jnp.zeros((n, drafter.max_depth), jnp.int32)
     return ContinuousState(
         cache=KVCache.zeros(config, slots, max_len, dtype),
         pending=zeros(),
         out=idle,
         slot_request=jnp.full((slots,), -1, jnp.int32),
-        params=jax.tree.map(lambda x: x[zeros()], bank),  # placeholders: the bank's first row
+        params=placeholders,
         next_request=jnp.int32(0),
         results=OutputBuffer.empty(n, capacity),
         iterations=jnp.int32(0),
         decode_steps=jnp.int32(0),
+        draft=draft,
+        result_rounds=result_rounds,
+        result_accepted_by_depth=result_by_depth,
     )
+
+
+def idle_drafter_state(
+    model: Model, drafter: Drafter, draft_params: Any, rows: Requests, max_len: int
+) -> Any:
+    """Zeros shaped like `drafter`'s state for `rows` ([B] requests): what free slots hold until an
+    admit initialises their rows from the admitted requests' prefill. Shapes only, nothing is run."""
+
+    def init() -> Any:
+        pre = prefill(
+            model.graphdef, model.params, model.config, rows, max_len, capture_layers=drafter.capture_layers
+        )
+        return drafter.init(draft_params, model.params, pre, rows, max_len)
+
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(init))
 
 
 def _set_rows(tree, rows: jax.Array, values):
@@ -132,6 +192,11 @@ def _retire(state: ContinuousState) -> ContinuousState:
     finished = (state.slot_request >= 0) & state.out.done
     target = jnp.where(finished, state.slot_request, n)
     results = _set_rows(state.results, target, state.out)
+    if state.draft is not None:
+        stats = (state.result_rounds, state.result_accepted_by_depth)
+        rows = (state.draft.rounds, state.draft.accepted_by_depth)
+        rounds, by_depth = _set_rows(stats, target, rows)
+        state = dataclasses.replace(state, result_rounds=rounds, result_accepted_by_depth=by_depth)
     # A free slot's length drops to 0, so the longest length is the longest live request's: what
     # live attention reads up to.
     cache = dataclasses.replace(state.cache, lengths=jnp.where(finished, 0, state.cache.lengths))
@@ -142,7 +207,7 @@ def _retire(state: ContinuousState) -> ContinuousState:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "config", "admit_rows", "eos_ids", "attention"),
+    static_argnames=("graphdef", "config", "admit_rows", "eos_ids", "attention", "drafter", "spec"),
     donate_argnames=("state",),
 )
 def run_continuous(
@@ -156,12 +221,18 @@ def run_continuous(
     admit_rows: int,
     eos_ids: tuple[int, ...],
     attention: str = "auto",
+    drafter: Drafter | None = None,
+    spec: SpecConfig | None = None,
+    draft_params: Any = (),
 ) -> ContinuousState:
     """Run the continuous-batching loop until every request is finished or `max_iterations` more
     iterations (admits + decode steps) have run; returns the state to pass back in (donated).
 
     bank: every request of the run ([N, P] prompts, [N] parameters). state: from `init_state` or the
-    previous call. admit_rows: requests prefilled together in one admit (<= slots).
+    previous call. admit_rows: requests prefilled together in one admit (<= slots). drafter, spec,
+    draft_params: speculate (one `speculative_round` per decode step; the state from `init_state` with
+    the same drafter); None = autoregressive. The drafter's state must be per row (leaves [B, ...]): an
+    admit replaces the admitted slots' rows with `drafter.init` of their own prefill.
     """
     n = bank.prompt_tokens.shape[0]
     slots = state.pending.shape[0]
@@ -171,6 +242,9 @@ def run_continuous(
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     one_node_mask = jnp.ones((slots, 1, 1), dtype=bool)
     stop_at = state.iterations + max_iterations
+    capture = drafter.capture_layers if drafter is not None else ()
+    if (drafter is None) != (spec is None) or (drafter is None) != (state.draft is None):
+        raise ValueError("run_continuous: give drafter and spec together, with a state made for the drafter")
 
     def admit(state: ContinuousState) -> ContinuousState:
         free = state.slot_request < 0
@@ -187,16 +261,22 @@ def run_continuous(
         branch = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
 
         def prefill_at(width: int):
-            def run(admitted: Requests) -> tuple[KVCache, jax.Array]:
+            def run(admitted: Requests) -> tuple[KVCache, jax.Array, Any]:
                 narrow = dataclasses.replace(admitted, prompt_tokens=admitted.prompt_tokens[:, :width])
-                pre = prefill(graphdef, params, config, narrow, max_len, attention=attention)
-                return pre.cache, pre.first_token
+                pre = prefill(
+                    graphdef, params, config, narrow, max_len, attention=attention, capture_layers=capture
+                )
+                if drafter is None:
+                    return pre.cache, pre.first_token, ()
+                return pre.cache, pre.first_token, drafter.init(draft_params, params, pre, narrow, max_len)
 
             return run
 
-        pre_cache, first_token = jax.lax.switch(branch, [prefill_at(w) for w in widths], admitted)
+        pre_cache, first_token, drafter_state = jax.lax.switch(
+            branch, [prefill_at(w) for w in widths], admitted
+        )
         first = first_output(first_token, capacity, admitted.max_new_tokens, eos)
-        return dataclasses.replace(
+        admitted_state = dataclasses.replace(
             state,
             cache=_set_rows(state.cache, target, pre_cache),  # whole rows: keys, values, lengths
             pending=_set_rows(state.pending, target, first_token),
@@ -205,6 +285,12 @@ def run_continuous(
             params=_set_rows(state.params, target, admitted),
             next_request=state.next_request + take,
         )
+        if drafter is None:
+            return admitted_state
+        # The admitted slots' draft rows start afresh: their own history, drafter state, round 1.
+        width = state.draft.history.shape[1]
+        fresh = DraftRows.after_prefill(admitted, first_token, width, drafter_state, drafter.max_depth)
+        return dataclasses.replace(admitted_state, draft=_set_rows(state.draft, target, fresh))
 
     # Where attention would read the whole padded cache (the jnp reference), read only the blocks up
     # to the longest live request; the Pallas kernels already stop at each row's length.
@@ -229,11 +315,21 @@ def run_continuous(
             state, cache=cache, pending=token, out=out, decode_steps=state.decode_steps + 1
         )
 
+    def speculate(state: ContinuousState) -> ContinuousState:
+        # Free slots are done, so the round changes nothing of theirs that an admit does not reset.
+        after = speculative_round(
+            graphdef, params, draft_params, state.params, SpecState(state.cache, state.out, state.draft),
+            drafter=drafter, spec=spec, eos=eos, attend=live_attention if live else None,
+        )  # fmt: skip
+        return dataclasses.replace(
+            state, cache=after.cache, out=after.out, draft=after.draft, decode_steps=state.decode_steps + 1
+        )
+
     def body(state: ContinuousState) -> ContinuousState:
         free = jnp.sum(state.slot_request < 0)
         remaining = n - state.next_request
         should_admit = (remaining > 0) & (free >= jnp.minimum(rows, remaining))
-        state = jax.lax.cond(should_admit, admit, decode, state)
+        state = jax.lax.cond(should_admit, admit, decode if drafter is None else speculate, state)
         return dataclasses.replace(_retire(state), iterations=state.iterations + 1)
 
     def running(state: ContinuousState) -> jax.Array:
@@ -243,8 +339,19 @@ def run_continuous(
     return jax.lax.while_loop(running, body, state)
 
 
-def _prepared_run(model: Model, checked: CheckedRequests, slots: int, admit_rows: int | None):
-    """(initial state, run(state, max_iterations) -> state) for the checked requests."""
+def prepare_continuous(
+    model: Model,
+    checked: CheckedRequests,
+    slots: int,
+    admit_rows: int | None,
+    spec: SpecConfig | None = None,
+) -> tuple[ContinuousState, Callable[[ContinuousState, int], ContinuousState]]:
+    """(initial state, run(state, max_iterations) -> state) for the checked requests, in bank order.
+
+    spec: a SpecConfig with a method in CONTINUOUS_SPEC_METHODS (checked by the caller), or None /
+    method None for autoregressive decoding. Speculating, the output rows and caches get the speculative
+    loop's room (`spec_buffer_sizes`).
+    """
     n = len(checked.token_lists)
     prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
     new_bucket = length_bucket(max(checked.max_new))
@@ -252,25 +359,51 @@ def _prepared_run(model: Model, checked: CheckedRequests, slots: int, admit_rows
     admit = admit_rows if admit_rows is not None else max(1, slots // 8)
     if admit < 1:
         raise InputError(f"generate_continuous: admit_rows must be >= 1, got {admit}")
-    state = init_state(model.config, bank, slots, prompt_len + new_bucket + 1, new_bucket + 1, model.dtype)
+    attention = spec.attention if spec is not None else "auto"
+    if spec is None or spec.method is None:
+        spec, drafter, draft_params, drafter_state = None, None, (), ()
+        capacity, max_len = new_bucket + 1, prompt_len + new_bucket + 1
+    else:
+        drafter, draft_params = make_drafter(model, spec)
+        capacity, max_len = spec_buffer_sizes(drafter, prompt_len, new_bucket)
+        rows = jax.tree.map(lambda x: x[jnp.zeros((slots,), jnp.int32)], bank)
+        drafter_state = idle_drafter_state(model, drafter, draft_params, rows, max_len)
+    state = init_state(
+        model.config, bank, slots, max_len, capacity, model.dtype,
+        drafter=drafter, drafter_state=drafter_state,
+    )  # fmt: skip
 
     def run(state: ContinuousState, max_iterations: int) -> ContinuousState:
         return run_continuous(
             model.graphdef, model.params, bank, state, jnp.int32(max_iterations), config=model.config,
-            admit_rows=admit, eos_ids=model.eos_token_ids,
+            admit_rows=admit, eos_ids=model.eos_token_ids, attention=attention, drafter=drafter, spec=spec,
+            draft_params=draft_params,
         )  # fmt: skip
 
     return state, run
 
 
+def continuous_spec(model: Model, spec: SpecConfig | dict | None) -> SpecConfig | None:
+    """`spec` checked for continuous batching: None (or method None) = autoregressive; a method outside
+    CONTINUOUS_SPEC_METHODS is an InputError naming it."""
+    spec = check_spec(model, spec)
+    if spec is not None and spec.method is not None and spec.method not in CONTINUOUS_SPEC_METHODS:
+        raise InputError(
+            f"generate_continuous: speculation with method {spec.method!r} is not supported in continuous "
+            f"batching (supported: {', '.join(CONTINUOUS_SPEC_METHODS)}); use jaxspec.generate"
+        )
+    return spec
+
+
 def compile_continuous(
     model: Model, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int], *, slots: int = 64,
-    admit_rows: int | None = None,
+    admit_rows: int | None = None, spec: SpecConfig | dict | None = None,
 ) -> None:  # fmt: skip
     """Compile the program `generate_continuous` runs for these requests without generating (for
     benchmarks that exclude compilation)."""
+    spec = continuous_spec(model, spec)
     checked = check_requests(model, prompts, max_new_tokens, None, 0, None)
-    state, run = _prepared_run(model, checked, slots, admit_rows)
+    state, run = prepare_continuous(model, checked, slots, admit_rows, spec)
     jax.block_until_ready(run(state, 0))
 
 
@@ -286,19 +419,23 @@ def generate_continuous(
     admit_rows: int | None = None,
     steps_per_call: int = 64,
     on_finished: Callable[[list[tuple[int, Completion]]], None] | None = None,
+    spec: SpecConfig | dict | None = None,
 ) -> list[Completion]:
-    """`jaxspec.generate` (autoregressive) for many requests through `slots` continuously refilled
-    slots; the same tokens per request as `jaxspec.generate` gives it alone.
+    """`jaxspec.generate` for many requests through `slots` continuously refilled slots; the same tokens
+    per request as `jaxspec.generate` gives it alone with the same spec (greedy and sampled).
 
     Args:
       model, prompts, max_new_tokens, sampling, seed, request_ids: as `jaxspec.generate`.
+      spec: None = autoregressive; a SpecConfig (or vLLM-style dict) with a method in
+        CONTINUOUS_SPEC_METHODS ("ngram") = one speculative round per decode step. Others: InputError.
       slots: rows decoded together. admit_rows: requests prefilled together when slots free up
         (default slots // 8, at least 1).
       steps_per_call: loop iterations per compiled call; between calls the host collects the requests
         finished so far and passes them to `on_finished` as (prompt index, Completion) pairs.
     Returns:
       one Completion per prompt, in order. stats["batch_time_s"] is the time from the start to the
-      end of the call that finished the request.
+      end of the call that finished the request; speculating, stats["rounds"] and
+      stats["accepted_by_depth"] are the request's own, as `jaxspec.generate` reports them.
     """
     if slots < 1 or steps_per_call < 1:
         raise InputError(
@@ -306,6 +443,7 @@ def generate_continuous(
         )
     if model.mesh is not None:
         raise InputError("generate_continuous: a model loaded with a mesh is not supported; use generate")
+    spec = continuous_spec(model, spec)
     checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
     n = len(checked.token_lists)
     # The bank in decreasing budget order (longest first: the last requests admitted are short, so
@@ -319,7 +457,7 @@ def generate_continuous(
     checked = CheckedRequests(
         *([getattr(checked, f.name)[i] for i in order] for f in dataclasses.fields(CheckedRequests))
     )
-    state, run = _prepared_run(model, checked, slots, admit_rows)
+    state, run = prepare_continuous(model, checked, slots, admit_rows, spec)
     completions: list[Completion | None] = [None] * n  # in bank order
     start = time.perf_counter()
     emitted = 0
@@ -332,15 +470,18 @@ def generate_continuous(
         if not new:
             continue
         tokens = jax.device_get(state.results.tokens)
+        if state.draft is not None:  # speculative rounds and acceptance per request
+            rounds, by_depth = jax.device_get((state.result_rounds, state.result_accepted_by_depth))
+        else:  # one decode step per token after the first
+            rounds, by_depth = [max(int(c) - 1, 0) for c in counts], None
         elapsed = time.perf_counter() - start
         emitted += len(new)
         finished_tokens = sum(int(counts[i]) for i in range(n) if done[i])
         stats = {"batch_time_s": elapsed, "batch_tokens_per_s": finished_tokens / elapsed}
         batch = []
         for i in new:
-            completions[i] = completion(
-                model, tokens[i, : counts[i]], bool(stopped[i]), max(int(counts[i]) - 1, 0), stats
-            )
+            own = stats if by_depth is None else {**stats, "accepted_by_depth": by_depth[i].tolist()}
+            completions[i] = completion(model, tokens[i, : counts[i]], bool(stopped[i]), int(rounds[i]), own)
             batch.append((i, completions[i]))
         if on_finished is not None:
             on_finished([(order[i], c) for i, c in batch])

@@ -136,6 +136,19 @@ def check_requests(
     return CheckedRequests(token_lists, max_new, list(sampling_list), seeds, ids)
 
 
+def check_spec(model: Model, spec: SpecConfig | dict | None) -> SpecConfig | None:
+    """`spec` as a SpecConfig (a vLLM-style dict converted), its attention option checked against the
+    model's (InputError naming the option)."""
+    if isinstance(spec, dict):
+        spec = SpecConfig.from_dict(spec)
+    if spec is not None and spec.attention not in model.config.attention_impls:
+        raise InputError(
+            f"SpecConfig.attention={spec.attention!r}: a {model.config.architecture} model runs "
+            f"{' | '.join(model.config.attention_impls)}"
+        )
+    return spec
+
+
 def padded_requests(checked: CheckedRequests, rows: int, prompt_len: int) -> Requests:
     """The checked requests as device arrays: [rows, prompt_len] prompts (padding rows: length 1,
     budget 0, greedy)."""
@@ -201,13 +214,7 @@ def generate(
     Returns:
       one Completion per prompt, in order.
     """
-    if isinstance(spec, dict):
-        spec = SpecConfig.from_dict(spec)
-    if spec is not None and spec.attention not in model.config.attention_impls:
-        raise InputError(
-            f"SpecConfig.attention={spec.attention!r}: a {model.config.architecture} model runs "
-            f"{' | '.join(model.config.attention_impls)}"
-        )
+    spec = check_spec(model, spec)
     checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
     token_lists, max_new = checked.token_lists, checked.max_new
     n = len(token_lists)
