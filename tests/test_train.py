@@ -113,11 +113,50 @@ def test_feature_store_resumes_and_ignores_uncommitted_rows(tiny_model, rows, st
     resumed = write_features(tiny_model, rows, tmp_path / "fs", max_len=32, capture_layers=(0, 1, 1),
                              batch_size=8, progress=False)  # fmt: skip
     assert resumed.num_sequences == 32
-    full, again = store.read(range(32)), resumed.read(range(32))
+    # Rows are stored longest first within a writing session, so compare them by id.
+    full, again = _rows_by_id(store, [r["id"] for r in rows]), _rows_by_id(resumed, [r["id"] for r in rows])
     for name in full:
         np.testing.assert_array_equal(full[name], again[name], err_msg=name)
     assert full["lengths"][0] == 24 and full["starts"][0] == 4
     assert np.abs(full["hidden"][:, :24]).sum() > 0
+
+
+def _rows_by_id(store, ids):
+    index = {row_id: i for i, row_id in enumerate(store.meta["ids"])}
+    return store.read([index[row_id] for row_id in ids])
+
+
+def test_feature_batches_run_at_the_narrowest_width_and_store_the_same_values(
+    tiny_model, rows, store, tmp_path, monkeypatch
+):
+    from jaxspec.train import features
+
+    # Sequences of 8..31 tokens in a store of max_len 160: stored longest first, every batch at the
+    # narrowest multiple of 64 that holds it (not 160); inside its length a sequence's stored values
+    # equal the max_len-32 store's (causal: a prefix's features), zeros after.
+    varied = [dict(r, response_ids=r["response_ids"][: 4 + (7 * i) % 17]) for i, r in enumerate(rows)]
+    lengths = np.array([len(r["prompt_ids"]) + len(r["response_ids"]) for r in varied])
+    widths = []
+    compute = features._jit_features_and_argmax
+
+    def recording(*args, **kwargs):
+        widths.append(args[2].shape[1])
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(features, "_jit_features_and_argmax", recording)
+    wide = features.write_features(tiny_model, varied, tmp_path / "wide", max_len=160,
+                                   capture_layers=(0, 1, 1), batch_size=8, progress=False)  # fmt: skip
+    assert widths == [64] * 4
+    ids = [r["id"] for r in varied]
+    stored_lengths = [int(wide.read([i], ["lengths"])["lengths"][0]) for i in range(32)]
+    assert stored_lengths == sorted(lengths.tolist(), reverse=True)
+    narrow, wide_rows = _rows_by_id(store, ids), _rows_by_id(wide, ids)
+    inside = np.arange(160)[None, :] < lengths[:, None]
+    for name in ("hidden", "layers", "argmax"):
+        values = wide_rows[name]
+        assert not np.any(values[~inside]), name
+        for i, n in enumerate(lengths):
+            np.testing.assert_allclose(values[i, :n], narrow[name][i, :n], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def _train_tiny(tiny_model, store, method: str, steps: int, run_dir: Path, online: bool = False):

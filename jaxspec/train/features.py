@@ -1,6 +1,7 @@
 """Target features for head training: a tensorstore (zarr3) store written offline, or computed online.
 
-Store layout (one directory), sequences padded to `max_len` along the token axis:
+Store layout (one directory), sequences padded to `max_len` along the token axis (features and argmax
+past a sequence's length are zeros; the losses mask by length):
   tokens   [N, L]         int32  prompt + response token ids (0 after the sequence)
   lengths  [N]            int32  tokens in the sequence
   starts   [N]            int32  first response position (loss is taken on positions >= start - 1)
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 from collections.abc import Sequence
@@ -109,6 +109,28 @@ def pack_sequences(rows: Sequence[dict], max_len: int) -> dict[str, np.ndarray]:
         lengths[i] = len(ids)
         starts[i] = min(len(row["prompt_ids"]), max_len)
     return {"tokens": tokens, "lengths": lengths, "starts": starts}
+
+
+FEATURE_WIDTH_STEP = 64
+
+
+def feature_width(longest: int, max_len: int) -> int:
+    """The token width a feature batch runs at: its longest sequence rounded up to a multiple of
+    FEATURE_WIDTH_STEP, at most max_len (so a store of max_len 320 compiles at most five widths)."""
+    return min(max_len, -(-max(longest, 1) // FEATURE_WIDTH_STEP) * FEATURE_WIDTH_STEP)
+
+
+def _packed_length(row: dict, max_len: int) -> int:
+    return min(len(row["prompt_ids"]) + len(row["response_ids"]), max_len)
+
+
+def _past_length_zeroed(block: np.ndarray, lengths: np.ndarray, max_len: int) -> np.ndarray:
+    """[n, w, ...] features of sequences of `lengths` [n] -> [n, max_len, ...], zero at every position
+    >= the row's length (never read: the losses mask by length), so what is stored for a sequence
+    does not depend on the width or the neighbours it was computed with."""
+    pad = [(0, 0), (0, max_len - block.shape[1])] + [(0, 0)] * (block.ndim - 2)
+    inside = np.arange(max_len)[None, :] < lengths[:, None]
+    return np.pad(block, pad) * inside.reshape(inside.shape + (1,) * (block.ndim - 2)).astype(block.dtype)
 
 
 def _spec(path: Path, name: str, dtype: str, shape: tuple[int, ...], create: bool) -> dict:
@@ -264,7 +286,8 @@ def write_features(
 ) -> FeatureStore:
     """Run the target over distill `rows` and append their features to the store at `path`.
 
-    Resumable: rows already committed (by id, in order) are skipped. Returns the open store.
+    Resumable: rows already committed (by id) are skipped. Rows run longest first, each batch at the
+    narrowest `feature_width` that holds it (one compiled program per width). Returns the open store.
     On a mesh (`model.mesh`), each batch of `batch_size` rows (a multiple of the "data" axis) is split
     over "data"; with several processes every process calls this with the same arguments and writes its
     own devices' rows (`FeatureStore.written` lists them).
@@ -289,31 +312,46 @@ def write_features(
     barrier("features/created")
     store = open_store()
     done = set(store.meta["ids"])
-    todo = [r for r in rows if r["id"] not in done]
+    # Longest first, so a batch holds sequences of similar length and runs at the narrowest width that
+    # holds them (`feature_widths`): padding costs as much as real tokens. Rows are stored by id, so
+    # the order changes nothing the trainer reads.
+    todo = sorted((r for r in rows if r["id"] not in done), key=lambda r: -_packed_length(r, max_len))
     end = store.num_sequences + len(todo)
     if primary:
         store.reserve(end)
     barrier("features/reserved")
     store.reopen()
-    empty = KVCache.zeros(model.config, batch_size, max_len, model.dtype)
     compute = _jit_features_and_argmax
     if mesh is not None:
-        empty = jax.tree.map(lambda x, s: put_sharded(np.asarray(x), s), empty, cache_shardings(empty, mesh))
         compute = jax.jit(
             target_features_and_argmax, static_argnames=("graphdef", "config", "capture_layers"),
             out_shardings=NamedSharding(mesh, PartitionSpec(DEFAULT_RULES.batch)),
         )  # fmt: skip
-    run = functools.partial(
-        compute, model.graphdef, model.params, config=model.config, capture_layers=capture_layers, cache=empty
-    )
+    empty_caches: dict[int, KVCache] = {}
+
+    def run(tokens: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+        width = tokens.shape[1]
+        if width not in empty_caches:  # one empty cache (and one compiled program) per width
+            empty = KVCache.zeros(model.config, batch_size, width, model.dtype)
+            if mesh is not None:
+                empty = jax.tree.map(
+                    lambda x, s: put_sharded(np.asarray(x), s), empty, cache_shardings(empty, mesh)
+                )
+            empty_caches[width] = empty
+        return compute(
+            model.graphdef, model.params, tokens, config=model.config, capture_layers=capture_layers,
+            cache=empty_caches[width],
+        )  # fmt: skip
+
     bar = tqdm(range(0, len(todo), batch_size), desc="features", disable=not (progress and primary))
     for start in bar:
         chunk = todo[start : start + batch_size]
         n, first = len(chunk), store.num_sequences
         packed = pack_sequences(chunk, max_len)
-        tokens = packed["tokens"]
-        if n < batch_size:  # keep one compiled shape
-            tokens = np.concatenate([tokens, np.zeros((batch_size - n, max_len), np.int32)])
+        width = feature_width(int(packed["lengths"].max()), max_len)
+        tokens = packed["tokens"][:, :width]
+        if n < batch_size:  # keep one compiled shape per width
+            tokens = np.concatenate([tokens, np.zeros((batch_size - n, width), np.int32)])
         tokens = place_batch(tokens, mesh) if mesh is not None else jnp.asarray(tokens)
         hidden, layers, argmax = run(tokens)
         outputs = {"hidden": hidden, "layers": layers, "argmax": argmax}
@@ -325,7 +363,12 @@ def write_features(
                 continue
             store.check_own_chunks(first + lo, first + hi, end)
             values = {name: packed[name][lo:hi] for name in ("tokens", "lengths", "starts")}
-            values.update({name: blocks[i][2][: hi - lo] for name, blocks in outputs.items()})
+            values.update(
+                {
+                    name: _past_length_zeroed(blocks[i][2][: hi - lo], packed["lengths"][lo:hi], max_len)
+                    for name, blocks in outputs.items()
+                }
+            )
             futures += store.write_rows(first + lo, values)
             store.written.append((first + lo, first + hi))
         for f in futures:
