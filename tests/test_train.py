@@ -148,7 +148,7 @@ def test_feature_batches_run_at_the_narrowest_width_and_store_the_same_values(
                                    capture_layers=(0, 1, 1), batch_size=8, progress=False)  # fmt: skip
     assert widths == [64] * 4
     ids = [r["id"] for r in varied]
-    stored_lengths = [int(wide.read([i], ["lengths"])["lengths"][0]) for i in range(32)]
+    stored_lengths = wide.read(range(32), ["lengths"])["lengths"].tolist()
     assert stored_lengths == sorted(lengths.tolist(), reverse=True)
     narrow, wide_rows = _rows_by_id(store, ids), _rows_by_id(wide, ids)
     inside = np.arange(160)[None, :] < lengths[:, None]

@@ -98,15 +98,19 @@ _jit_features_and_argmax = jax.jit(
 )
 
 
+def packed_length(row: dict, max_len: int) -> int:
+    """Tokens a distill row keeps in a store of `max_len`: prompt + response, truncated."""
+    return min(len(row["prompt_ids"]) + len(row["response_ids"]), max_len)
+
+
 def pack_sequences(rows: Sequence[dict], max_len: int) -> dict[str, np.ndarray]:
     """Distill rows -> {"tokens" [B, L], "lengths" [B], "starts" [B]} (prompt + response, truncated)."""
     tokens = np.zeros((len(rows), max_len), np.int32)
     lengths = np.zeros((len(rows),), np.int32)
     starts = np.zeros((len(rows),), np.int32)
     for i, row in enumerate(rows):
-        ids = (list(row["prompt_ids"]) + list(row["response_ids"]))[:max_len]
-        tokens[i, : len(ids)] = ids
-        lengths[i] = len(ids)
+        lengths[i] = packed_length(row, max_len)
+        tokens[i, : lengths[i]] = (list(row["prompt_ids"]) + list(row["response_ids"]))[: lengths[i]]
         starts[i] = min(len(row["prompt_ids"]), max_len)
     return {"tokens": tokens, "lengths": lengths, "starts": starts}
 
@@ -118,10 +122,6 @@ def feature_width(longest: int, max_len: int) -> int:
     """The token width a feature batch runs at: its longest sequence rounded up to a multiple of
     FEATURE_WIDTH_STEP, at most max_len (so a store of max_len 320 compiles at most five widths)."""
     return min(max_len, -(-max(longest, 1) // FEATURE_WIDTH_STEP) * FEATURE_WIDTH_STEP)
-
-
-def _packed_length(row: dict, max_len: int) -> int:
-    return min(len(row["prompt_ids"]) + len(row["response_ids"]), max_len)
 
 
 def _past_length_zeroed(block: np.ndarray, lengths: np.ndarray, max_len: int) -> np.ndarray:
@@ -313,9 +313,9 @@ def write_features(
     store = open_store()
     done = set(store.meta["ids"])
     # Longest first, so a batch holds sequences of similar length and runs at the narrowest width that
-    # holds them (`feature_widths`): padding costs as much as real tokens. Rows are stored by id, so
+    # holds them (`feature_width`): padding costs as much as real tokens. Rows are stored by id, so
     # the order changes nothing the trainer reads.
-    todo = sorted((r for r in rows if r["id"] not in done), key=lambda r: -_packed_length(r, max_len))
+    todo = sorted((r for r in rows if r["id"] not in done), key=lambda r: -packed_length(r, max_len))
     end = store.num_sequences + len(todo)
     if primary:
         store.reserve(end)
