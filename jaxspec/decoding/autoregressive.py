@@ -31,6 +31,13 @@ class DecodeState:
     step: jax.Array
 
 
+def autoregressive_buffer_sizes(prompt_len: int, new_bucket: int) -> tuple[int, int]:
+    """(output capacity, cache max_len) of an autoregressive run over prompts padded to prompt_len with
+    budgets up to new_bucket: the budget plus the prefill's first token, after the prompt."""
+    capacity = new_bucket + 1
+    return capacity, prompt_len + capacity
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "config", "max_len", "capacity", "eos_ids", "attention", "mesh", "stream"),

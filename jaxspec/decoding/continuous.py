@@ -40,6 +40,7 @@ from flax import nnx
 
 from jaxspec import sampling
 from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.decoding.autoregressive import autoregressive_buffer_sizes
 from jaxspec.decoding.generate import (
     CheckedRequests,
     Completion,
@@ -362,7 +363,7 @@ def prepare_continuous(
     attention = spec.attention if spec is not None else "auto"
     if spec is None or spec.method is None:
         spec, drafter, draft_params, drafter_state = None, None, (), ()
-        capacity, max_len = new_bucket + 1, prompt_len + new_bucket + 1
+        capacity, max_len = autoregressive_buffer_sizes(prompt_len, new_bucket)
     else:
         drafter, draft_params = make_drafter(model, spec)
         capacity, max_len = spec_buffer_sizes(drafter, prompt_len, new_bucket)

@@ -13,11 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.config import INT32_MAX, SamplingParams, SpecConfig
-from jaxspec.decoding.autoregressive import generate_autoregressive
+from jaxspec.decoding.autoregressive import autoregressive_buffer_sizes, generate_autoregressive
 from jaxspec.decoding.output_buffer import streaming_to
 from jaxspec.decoding.prefill import Requests
-from jaxspec.decoding.speculative import generate_speculative
+from jaxspec.decoding.speculative import generate_speculative, spec_buffer_sizes
 from jaxspec.distributed import to_host
+from jaxspec.drafters.make import make_drafter
 from jaxspec.errors import InputError
 from jaxspec.model.buckets import batch_bucket, length_bucket
 from jaxspec.model.target import Model
@@ -149,6 +150,18 @@ def check_spec(model: Model, spec: SpecConfig | dict | None) -> SpecConfig | Non
     return spec
 
 
+def cache_length(model: Model, spec: SpecConfig | None, longest_prompt: int, largest_budget: int) -> int:
+    """Positions a row of the KV cache `generate` and `generate_continuous` allocate for requests whose
+    longest prompt has `longest_prompt` tokens and largest max_new_tokens is `largest_budget`: both
+    padded to their length buckets, plus the speculative window's room when `spec` speculates
+    (`spec_buffer_sizes`; its drafter is built for that: a head or draft model is loaded, once)."""
+    prompt_len, new_bucket = length_bucket(longest_prompt), length_bucket(largest_budget)
+    if spec is None or spec.method is None:
+        return autoregressive_buffer_sizes(prompt_len, new_bucket)[1]
+    drafter, _ = make_drafter(model, spec)
+    return spec_buffer_sizes(drafter, prompt_len, new_bucket)[1]
+
+
 def padded_requests(checked: CheckedRequests, rows: int, prompt_len: int) -> Requests:
     """The checked requests as device arrays: [rows, prompt_len] prompts (padding rows: length 1,
     budget 0, greedy)."""
@@ -227,9 +240,10 @@ def generate(
     with streaming_to(stream) if stream is not None else contextlib.nullcontext():
         start = time.perf_counter()
         if spec is None or spec.method is None:
+            capacity, max_len = autoregressive_buffer_sizes(prompt_len, new_bucket)
             out, rounds = generate_autoregressive(
                 model.graphdef, model.params, requests, config=model.config,
-                max_len=prompt_len + new_bucket + 1, capacity=new_bucket + 1,
+                max_len=max_len, capacity=capacity,
                 eos_ids=model.eos_token_ids, attention=spec.attention if spec else "auto", mesh=model.mesh,
                 stream=stream is not None,
             )  # fmt: skip
