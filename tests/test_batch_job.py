@@ -579,3 +579,87 @@ def test_speculating_continuous_job_killed_twice_resumes_to_the_uninterrupted_ou
     assert {
         r["id"]: (r["token_ids"], r["stats"]["rounds"], r["stats"]["speculation"]) for r in final
     } == expected
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory: what a decode run holds, what the device has free
+# ---------------------------------------------------------------------------------------------------
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of a pytree of arrays or of jax.ShapeDtypeStructs."""
+    import math
+
+    import jax
+
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+def test_memory_estimate_equals_the_caches_the_decoding_loops_allocate(tiny_dir, monkeypatch):
+    """`decode_memory_bytes` at `cache_length` equals the weights plus the cache the continuous loop's
+    state holds and the cache the static loops' prefill builds (autoregressive, and n-gram tree
+    drafting with its window's extra positions); `kv_cache_bytes` also matches an MLA cache."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxspec
+    from jaxspec.decoding import generate as generate_module
+    from jaxspec.decoding import speculative
+    from jaxspec.decoding.continuous import prepare_continuous
+    from jaxspec.decoding.generate import cache_length, check_requests
+    from jaxspec.decoding.prefill import prefill
+    from jaxspec.model.deepseek_v3.config import DeepseekV3Config
+    from jaxspec.model.kv_cache import KVCache, decode_memory_bytes, kv_cache_bytes
+
+    model = jaxspec.load(str(tiny_dir))
+    weights = tree_bytes(model.params)
+    prompts, budgets = [[1] * 20, [2, 3]], [5, 40]  # length buckets 32 and 64
+
+    class Stop(Exception):
+        pass
+
+    def prefilled_cache_bytes(*args, config, max_len, **kwargs):
+        """Stands in for the static loops: the bytes of the cache their prefill builds, nothing run."""
+        requests = args[-1]
+        cache = jax.eval_shape(lambda: prefill(model.graphdef, model.params, config, requests, max_len).cache)
+        raise Stop(requests.prompt_tokens.shape[0], max_len, tree_bytes(cache))
+
+    monkeypatch.setattr(generate_module, "generate_autoregressive", prefilled_cache_bytes)
+    monkeypatch.setattr(speculative, "speculative_loop", prefilled_cache_bytes)
+    lengths = []
+    for spec in (None, SpecConfig(method="ngram", num_speculative_tokens=3, topk=2)):
+        positions = cache_length(model, spec, 20, 40)
+        lengths.append(positions)
+        checked = check_requests(model, prompts, budgets, None, 0, None)
+        state, _ = prepare_continuous(model, checked, 3, None, spec)
+        assert state.cache.max_len == positions
+        assert kv_cache_bytes(model.config, 3, positions, model.dtype) == tree_bytes(state.cache)
+        assert decode_memory_bytes(model.config, model.params, 3, positions) == weights + tree_bytes(
+            state.cache
+        )
+        with pytest.raises(Stop) as static:
+            jaxspec.generate(model, prompts, budgets, spec=spec)
+        rows, max_len, allocated = static.value.args
+        assert (rows, max_len) == (2, positions)
+        assert decode_memory_bytes(model.config, model.params, 2, positions) == weights + allocated
+    assert lengths[0] == 32 + 64 + 1 and lengths[1] > lengths[0]  # the tree window's room
+    mla = DeepseekV3Config(96, 32, 48, 3, 4, 4, 12, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=12)
+    cache = KVCache.zeros(mla, 2, 7, jnp.bfloat16)
+    assert kv_cache_bytes(mla, 2, 7, jnp.bfloat16) == tree_bytes(cache) == 3 * 2 * 7 * (16 + 8) * 2 + 2 * 4
+
+
+def test_free_memory_comes_from_the_device_stats_else_meminfo(monkeypatch):
+    import jax
+
+    from jaxspec.model import kv_cache
+
+    meminfo = {line.split(":")[0]: int(line.split()[1]) for line in open("/proc/meminfo")}
+    free = kv_cache.available_memory_bytes()  # this CPU: no device memory stats
+    assert 0 < free <= meminfo["MemTotal"] * 1024
+
+    class Accelerator:
+        def memory_stats(self):
+            return {"bytes_limit": 1000, "bytes_in_use": 300, "peak_bytes_in_use": 900}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Accelerator()])
+    assert kv_cache.available_memory_bytes() == 700

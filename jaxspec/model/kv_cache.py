@@ -4,11 +4,15 @@ Layout per layer: [batch, kv_heads, max_len, head_dim]. Slots [0, lengths[b]) of
 tokens. A forward over N new (tree or prompt) tokens writes their keys/values into the window
 [lengths[b], lengths[b] + N); `commit_path` then moves the accepted path to the front of that window
 and advances the lengths. Nothing outside the window is copied.
+
+What a decode run holds in memory, as bytes: `kv_cache_bytes` (the cache `KVCache.zeros` allocates),
+`decode_memory_bytes` (that plus the weights); what the machine has free: `available_memory_bytes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +41,48 @@ class KVCache:
             jnp.zeros((batch, value_heads, max_len, value_dim), dtype) for _ in range(config.num_layers)
         )
         return cls(keys=keys, values=values, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def kv_cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype: jnp.dtype) -> int:
+    """Bytes of `KVCache.zeros(config, batch, max_len, dtype)`, nothing allocated: per layer a key
+    buffer [batch, key heads, max_len, key dim] and a value buffer [batch, value heads, max_len,
+    value dim] (`ModelConfig.kv_cache_dims`: kv heads x head dim each for Llama), plus the [batch] int32
+    lengths."""
+    (key_heads, key_dim), (value_heads, value_dim) = config.kv_cache_dims()
+    per_position = config.num_layers * (key_heads * key_dim + value_heads * value_dim)
+    return batch * max_len * per_position * jnp.dtype(dtype).itemsize + batch * jnp.dtype(jnp.int32).itemsize
+
+
+def weights_bytes(params: Any) -> int:
+    """Bytes of every array in a parameter pytree (shapes and dtypes only: nothing is read)."""
+    return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(params))
+
+
+def decode_memory_bytes(config: ModelConfig, params: Any, batch: int, max_len: int) -> int:
+    """The memory a decode run over `batch` rows holds for its whole length: the target's weights
+    (`params`) and its KV cache of `max_len` positions a row in the weights' dtype (`kv_cache_bytes`).
+    Activations, logits and output buffers are left out (they are small next to the cache at long
+    lengths; callers keep a margin). The cache length is the decoding loop's to choose
+    (`jaxspec.decoding.generate.cache_length`)."""
+    dtype = jax.tree.leaves(params)[0].dtype
+    return weights_bytes(params) + kv_cache_bytes(config, batch, max_len, dtype)
+
+
+def available_memory_bytes() -> int | None:
+    """Free memory on the first local device: bytes_limit - bytes_in_use of its `memory_stats()` on an
+    accelerator; on CPU (no memory stats) MemAvailable of /proc/meminfo. None when neither is known."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                name, _, value = line.partition(":")
+                if name == "MemAvailable":  # "MemAvailable:   123456 kB"
+                    return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _write_rows(buffer: jax.Array, update: jax.Array, starts: jax.Array) -> jax.Array:
