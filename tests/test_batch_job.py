@@ -582,7 +582,7 @@ def test_speculating_continuous_job_killed_twice_resumes_to_the_uninterrupted_ou
 
 
 # ---------------------------------------------------------------------------------------------------
-# Memory: what a decode run holds, what the device has free
+# Memory: the batch size the job runs fits the budget
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -663,3 +663,91 @@ def test_free_memory_comes_from_the_device_stats_else_meminfo(monkeypatch):
 
     monkeypatch.setattr(jax, "local_devices", lambda: [Accelerator()])
     assert kv_cache.available_memory_bytes() == 700
+
+
+# Two long-budget requests, admitted first (the bank runs longest budgets first) and finished first, and
+# five short ones: a resumed run without the two has shorter caches, but must decide as the first run.
+MEMORY_JOB = [{"id": f"long{i}", "prompt_ids": [3 + i, 4, 5], "max_new_tokens": 20} for i in range(2)] + [
+    {"id": f"short{i}", "prompt_ids": [6 + i, 7, 8, 9], "max_new_tokens": 4} for i in range(5)
+]
+
+
+def job_memory(model, rows: int, positions: int) -> int:
+    """Weights + a real cache of rows x positions, in bytes (counted apart from the job's estimate)."""
+    from jaxspec.model.kv_cache import KVCache
+
+    return tree_bytes(model.params) + tree_bytes(KVCache.zeros(model.config, rows, positions, model.dtype))
+
+
+def test_a_budget_for_two_slots_runs_two_slots_with_the_same_tokens_also_resumed(
+    tmp_path, tiny_dir, capsys, monkeypatch
+):
+    """--batch-size 4 with a budget that fits 2 slots: the job says so and runs 2 slots (recorded in
+    every result), with the tokens of an unconstrained 4-slot run; interrupted after its first write and
+    rerun, it decides the same from every request (those left alone would fit 3 slots)."""
+    import jaxspec
+    from jaxspec.batch.results import ResultWriter
+
+    src = write_jsonl(tmp_path / "in.jsonl", MEMORY_JOB)
+    common = ["--input", str(src), "--model", str(tiny_dir), "--batch-size", "4", "--steps-per-call", "8"]
+    common += ["--no-progress"]
+    assert main([*common, "--output", str(tmp_path / "free.jsonl")]) == 0
+    assert "does not fit" not in capsys.readouterr().err
+    free = {r["id"]: r for r in read_jsonl(tmp_path / "free.jsonl")}
+    assert {r["stats"]["batch_size"] for r in free.values()} == {4}
+
+    # Prompts <= 16 tokens, budgets <= 32: 16 + 32 + 1 cache positions a row (short ones alone: 16 + 16 + 1).
+    model = jaxspec.load(str(tiny_dir))
+    need = {rows: job_memory(model, rows, 49) for rows in (2, 3, 4)}
+    assert job_memory(model, 3, 33) < (need[2] + need[3]) / 2
+    budget_gib = (need[2] + need[3]) / 2 / 0.9 / 2**30
+    out = tmp_path / "out.jsonl"
+    args = [*common, "--output", str(out), "--memory-budget-gib", repr(budget_gib)]
+    original_append = ResultWriter.append
+
+    def append_then_interrupt(self, records):
+        original_append(self, records)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ResultWriter, "append", append_then_interrupt)
+    assert main(args) == 130
+    first_err = capsys.readouterr().err
+    first = {r["id"] for r in read_jsonl(out)}
+    assert first >= {"long0", "long1"} and len(first) < len(MEMORY_JOB)  # the long requests are done
+    monkeypatch.setattr(ResultWriter, "append", original_append)
+    assert main(args) == 0
+    second_err = capsys.readouterr().err
+    note = (
+        f"jaxspec: note: --batch-size 4 does not fit in memory: it needs {need[4]:,} bytes (",
+        "for 4 rows x 49 cache positions",
+        f"running --batch-size 2 instead, which needs {need[2]:,} bytes (",
+    )
+    for err in (first_err, second_err):
+        assert all(part in err for part in note), err
+    records = read_jsonl(out)
+    assert sorted(r["id"] for r in records) == sorted(free)
+    assert {r["stats"]["batch_size"] for r in records} == {2}
+    assert {r["id"]: r["token_ids"] for r in records} == {k: r["token_ids"] for k, r in free.items()}
+
+
+def test_a_budget_too_small_for_one_row_stops_before_writing_naming_the_longest_request(
+    tmp_path, tiny_dir, capsys
+):
+    import jaxspec
+
+    src = write_jsonl(tmp_path / "in.jsonl", [*MEMORY_JOB[2:4], {"id": "big", "prompt_ids": [1] * 40}])
+    out = tmp_path / "out.jsonl"
+    one_row = job_memory(
+        jaxspec.load(str(tiny_dir)), 1, 64 + 16 + 1
+    )  # the 40-token prompt's bucket + --max-new-tokens 16
+    budget_gib = (one_row - 100) / 0.9 / 2**30
+    args = ["--input", str(src), "--output", str(out), "--model", str(tiny_dir), "--max-new-tokens", "16"]
+    assert main([*args, "--memory-budget-gib", repr(budget_gib), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"jaxspec: error: not enough memory for even --batch-size 1: it needs {one_row:,} bytes (" in err
+    assert "for 1 row x 81 cache positions" in err
+    assert f'the longest request is {src}:3 (id "big", 40 prompt tokens + max_new_tokens 16)' in err
+    assert f"of the {int(budget_gib * 2**30):,} bytes (" in err
+    assert not out.exists()
+    assert main([*args, "--memory-budget-gib", "0"]) == 2
+    assert "--memory-budget-gib must be a number > 0, got 0.0" in capsys.readouterr().err

@@ -18,6 +18,12 @@ medusa, eagle, eagle3, mtp) runs --batching static, as --batching static always 
 `jaxspec.generate` call per planned batch, appended when the batch finishes, the policy picking the draft
 shape per batch.
 
+Memory: before anything is written, the job checks that the weights and the KV cache of --batch-size
+rows (at the cache length its requests need) fit in 90% of --memory-budget-gib, or by default of the
+device's free memory (`jaxspec.batch.memory`). A --batch-size that does not fit is lowered to the
+largest that does, with a note on stderr; when not even 1 row fits, the job stops (exit code 2) naming
+the longest request.
+
 Output: one line per finished request, in the order they finish (not input order):
     {"id", "text", "token_ids", "finish_reason", "stats": {"prompt_tokens", "new_tokens", "rounds",
      "mean_accepted_length", "time_s", "batch_size", "speculation"[, "accepted_by_depth"]}[, "metadata"]}
@@ -53,11 +59,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxspec.batch.memory import MemoryBudget, fit_batch_size, memory_budget
 from jaxspec.batch.output_file import check_distinct_files, preflight_output
 from jaxspec.batch.requests import (
     InputIssue,
@@ -133,6 +141,11 @@ def add_job_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
         help="auto: batch-aware draft shape / off switch (default); fixed: --spec as given; off: none",
     )  # fmt: skip
     p.add_argument("--policy-json", default=None, help="policy table (JSON string or file) for auto")
+    p.add_argument(
+        "--memory-budget-gib", type=float, default=None,
+        help="memory the weights and KV cache may share (90%% of it); default: the device's free memory. "
+        "A --batch-size that does not fit is lowered to the largest that does",
+    )  # fmt: skip
     p.add_argument("--skip-invalid", action="store_true", help="write bad lines to --errors, run the rest")
     p.add_argument(
         "--errors", default=None, help="errors JSONL for --skip-invalid (default OUTPUT.errors.jsonl)"
@@ -324,15 +337,49 @@ def generate_continuously(
         )  # fmt: skip
 
 
+def choose_batching(
+    args: argparse.Namespace,
+    model: Any,
+    ready: list[TokenizedRequest],
+    pick_spec: Callable[[int], Any],
+    budget: MemoryBudget | None,
+) -> tuple[bool, int]:
+    """(continuous?, batch size): --batching continuous unless the policy's pick drafts with a method
+    continuous batching cannot run (those run static batches, with a note), at the largest batch size up
+    to --batch-size that fits the memory budget (`jaxspec.batch.memory`)."""
+    from jaxspec.decoding.continuous import CONTINUOUS_SPEC_METHODS
+
+    def static_method(size: int) -> str | None:
+        """The policy's drafting method at `size` when continuous batching cannot run it, else None."""
+        spec = pick_spec(size)
+        method = spec.method if spec is not None else None
+        return method if method is not None and method not in CONTINUOUS_SPEC_METHODS else None
+
+    forced = static_method(args.batch_size) if args.batching == "continuous" else None
+    continuous = args.batching == "continuous" and forced is None
+    size = fit_batch_size(model, ready, args.batch_size, continuous, pick_spec, budget, args.input)
+    if continuous and (forced := static_method(size)) is not None:  # the policy drafts at the lower size
+        continuous = False
+        size = fit_batch_size(model, ready, size, continuous, pick_spec, budget, args.input)
+    if forced is not None:
+        print(
+            f"jaxspec: note: {forced} speculation runs in static batches (continuous batching "
+            f"speculates with {', '.join(CONTINUOUS_SPEC_METHODS)} only)",
+            file=sys.stderr,
+        )
+    return continuous, size
+
+
 def run_job(args: argparse.Namespace) -> int:
     """The job itself (arguments already parsed); returns the exit code."""
-    from jaxspec.decoding.continuous import CONTINUOUS_SPEC_METHODS
     from jaxspec.drafters.policy import choose_spec, load_policy
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.steps_per_call < 1:
         raise InputError(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
+    if args.memory_budget_gib is not None and not 0 < args.memory_budget_gib < math.inf:
+        raise InputError(f"--memory-budget-gib must be a number > 0, got {args.memory_budget_gib}")
     check_distinct_files(args.input, args.output, errors_file(args) if args.skip_invalid else None)
     preflight_output(args.output)  # before loading the model; claimed (locked) by open_results
     if args.skip_invalid:
@@ -341,31 +388,27 @@ def run_job(args: argparse.Namespace) -> int:
         choose_spec, args.policy, base_spec(args), policy=load_policy(args.policy_json)
     )
     model, ready, issues = validated_requests(args)
+    budget = memory_budget(args.memory_budget_gib, model)
+    # Before any output is written: the batch size that fits the budget, from every valid request
+    # (finished ones included, so a resumed run with the same budget decides the same).
+    continuous, batch_size = choose_batching(args, model, ready, pick_spec, budget)
     writer, done, repaired = open_results(args.output)
     if repaired:
         print(f"jaxspec: removed a partial last line ({repaired} bytes) from {args.output}", file=sys.stderr)
     pending = [item for item in ready if item.request.key not in done]
     stats = RunStats(invalid=len(issues), skipped_done=len(ready) - len(pending))
     # A continuous job runs one draft shape, the policy's pick for its slot count (decided for the whole
-    # job, so a resumed run decides the same); drafters it cannot reset per slot run in static batches.
-    job_spec = pick_spec(args.batch_size)
-    supported = job_spec is None or job_spec.method in CONTINUOUS_SPEC_METHODS
-    continuous = args.batching == "continuous" and supported
-    if args.batching == "continuous" and not continuous:
-        print(
-            f"jaxspec: note: {job_spec.method} speculation runs in static batches (continuous batching "
-            f"speculates with {', '.join(CONTINUOUS_SPEC_METHODS)} only)",
-            file=sys.stderr,
-        )
+    # job, so a resumed run decides the same).
+    job_spec = pick_spec(batch_size)
     try:
         with writer:
             if continuous:
                 generate_continuously(
-                    model, pending, writer, stats, args.batch_size, args.steps_per_call, job_spec,
+                    model, pending, writer, stats, batch_size, args.steps_per_call, job_spec,
                     show_progress=not args.no_progress,
                 )  # fmt: skip
             else:
-                batches = plan_pending(ready, args.batch_size, done)
+                batches = plan_pending(ready, batch_size, done)
                 generate_batches(model, batches, writer, pick_spec, stats, show_progress=not args.no_progress)
     except KeyboardInterrupt:
         print(f"\njaxspec: interrupted; rerun the same command to resume ({args.output})", file=sys.stderr)
