@@ -34,13 +34,13 @@ import dataclasses
 import json
 import os
 import random
-import resource
 import statistics
 import time
 
 import jax
 
 import jaxspec
+from jaxspec.batch.summary import peak_rss_kib
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.policy import PolicyRule, SpeculationPolicy, choose_spec, describe_spec, load_policy
 from jaxspec.model.buckets import length_bucket
@@ -181,8 +181,8 @@ def calibrate(args, model, prompts) -> list[dict]:
 
 
 def peak_rss_gib() -> float:
-    """Peak resident memory of this process so far (Linux ru_maxrss is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """Peak resident memory of this process so far, GiB (`jaxspec.batch.summary.peak_rss_kib`)."""
+    return peak_rss_kib() / 2**20
 
 
 def kept_length(ids: list[int], budget: int, eos: tuple[int, ...]) -> int:

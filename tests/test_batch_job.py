@@ -582,7 +582,7 @@ def test_speculating_continuous_job_killed_twice_resumes_to_the_uninterrupted_ou
 
 
 # ---------------------------------------------------------------------------------------------------
-# Memory: the batch size the job runs fits the budget
+# Memory: the batch size the job runs fits the budget; peak RSS in the summary
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -751,3 +751,16 @@ def test_a_budget_too_small_for_one_row_stops_before_writing_naming_the_longest_
     assert not out.exists()
     assert main([*args, "--memory-budget-gib", "0"]) == 2
     assert "--memory-budget-gib must be a number > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_the_summary_reports_the_peak_rss(tmp_path, tiny_dir, capsys):
+    import resource
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt_ids": [1, 2], "max_new_tokens": 2}])
+    summary = tmp_path / "summary.json"
+    args = ["--input", str(src), "--output", str(tmp_path / "o.jsonl"), "--model", str(tiny_dir)]
+    assert main([*args, "--summary-json", str(summary), "--no-progress"]) == 0
+    peak = json.loads(summary.read_text())["peak_rss_kib"]
+    assert 0 < peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert peak > 50 * 1024  # jax and the model alone hold more than 50 MiB
+    assert f"peak RSS: {peak / 1024:.1f} MiB" in capsys.readouterr().out

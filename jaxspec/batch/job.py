@@ -22,7 +22,7 @@ Memory: before anything is written, the job checks that the weights and the KV c
 rows (at the cache length its requests need) fit in 90% of --memory-budget-gib, or by default of the
 device's free memory (`jaxspec.batch.memory`). A --batch-size that does not fit is lowered to the
 largest that does, with a note on stderr; when not even 1 row fits, the job stops (exit code 2) naming
-the longest request.
+the longest request. The summary (and --summary-json) reports the process's peak RSS.
 
 Output: one line per finished request, in the order they finish (not input order):
     {"id", "text", "token_ids", "finish_reason", "stats": {"prompt_tokens", "new_tokens", "rounds",
@@ -77,7 +77,7 @@ from jaxspec.batch.requests import (
 )
 from jaxspec.batch.results import check_errors_file, open_results, write_issues
 from jaxspec.batch.schedule import plan_pending
-from jaxspec.batch.summary import RunStats, format_summary, plot_summary, write_summary_json
+from jaxspec.batch.summary import RunStats, format_summary, peak_rss_kib, plot_summary, write_summary_json
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.model.buckets import batch_bucket
 
@@ -413,6 +413,7 @@ def run_job(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"\njaxspec: interrupted; rerun the same command to resume ({args.output})", file=sys.stderr)
         return 130
+    stats.peak_rss_kib = peak_rss_kib()
     print(format_summary(stats))
     if args.summary_json:
         write_summary_json(stats, args.summary_json)

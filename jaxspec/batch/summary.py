@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ class RunStats:
     accepted_by_depth: list[int] = dataclasses.field(default_factory=list)
     drafted_by_depth: list[int] = dataclasses.field(default_factory=list)
     batches: list[BatchRecord] = dataclasses.field(default_factory=list)
+    peak_rss_kib: int = 0  # the process's peak resident memory, KiB (`peak_rss_kib()`, set at the end)
 
     def add_batch(self, completions: Sequence[Any], seconds: float, speculation: str, depth: int) -> None:
         """Fold in one finished batch (`jaxspec.Completion`s) run with draft depth `depth` (0 = off)."""
@@ -92,6 +95,7 @@ class RunStats:
             "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth],
             "skipped_already_done": self.skipped_done,
             "invalid": self.invalid,
+            "peak_rss_kib": self.peak_rss_kib,
             "batches": [
                 {
                     **dataclasses.asdict(b),
@@ -103,6 +107,13 @@ class RunStats:
         }
 
 
+def peak_rss_kib() -> int:
+    """The peak resident memory of this process so far, in KiB (`getrusage` ru_maxrss: KiB on Linux,
+    bytes on macOS). Host memory only: an accelerator's memory is not in it."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak // 1024 if sys.platform == "darwin" else peak
+
+
 def format_summary(stats: RunStats) -> str:
     """Human-readable summary, one fact per line."""
     lines = [
@@ -110,6 +121,7 @@ def format_summary(stats: RunStats) -> str:
         f"tokens: {stats.tokens} in {stats.seconds:.1f} s = {stats.tokens_per_s:.1f} tokens/s "
         f"(compilation included)",
         f"mean accepted length: {stats.mean_accepted_length:.2f} tokens per target forward",
+        f"peak RSS: {stats.peak_rss_kib / 1024:.1f} MiB (host memory of this process)",
     ]
     if stats.accepted_by_depth:
         rates = ", ".join(f"d{d + 1} {a:.0%}" for d, a in enumerate(stats.acceptance_by_depth))
