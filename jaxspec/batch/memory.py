@@ -158,13 +158,17 @@ def fit_batch_size(
             f"request is {input_path}:{longest.request.line} (id {json.dumps(longest.request.id)}, "
             f"{len(longest.prompt_ids)} prompt tokens + max_new_tokens {longest.request.max_new_tokens})"
         )
-    fits, fails = 1, batch_size  # need(fits) fits, need(fails) does not
+    fits, fits_need, fails = 1, one, batch_size  # need(fits) = fits_need fits, need(fails) does not
     while fails - fits > 1:
         middle = (fits + fails) // 2
-        fits, fails = (middle, fails) if need(middle).total <= budget.usable else (fits, middle)
+        middle_need = need(middle)
+        if middle_need.total <= budget.usable:
+            fits, fits_need = middle, middle_need
+        else:
+            fails = middle
     print(
         f"jaxspec: note: --batch-size {batch_size} does not fit in memory: it needs {asked.describe()}, "
-        f"{over}; running --batch-size {fits} instead, which needs {format_bytes(need(fits).total)}",
+        f"{over}; running --batch-size {fits} instead, which needs {format_bytes(fits_need.total)}",
         file=sys.stderr,
     )
     return fits
