@@ -46,6 +46,10 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+# The drafting methods; every one runs in `jaxspec.generate` and in continuous batching.
+SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How speculation runs. `method=None` means plain autoregressive decoding.
@@ -106,9 +110,8 @@ class SpecConfig:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
-        methods = (None, "ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
-        if self.method not in methods:
-            raise ValueError(f"SpecConfig.method must be one of {methods}, got {self.method!r}")
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"SpecConfig.method must be None or one of {SPEC_METHODS}, got {self.method!r}")
         if self.acceptance not in ("exact", "greedy", "typical_lossy"):
             raise ValueError(
                 f"SpecConfig.acceptance must be 'exact', 'greedy' or 'typical_lossy', got {self.acceptance!r}"

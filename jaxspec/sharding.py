@@ -339,8 +339,9 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None, rules: ShardingRules = DE
 def constrain_head_cache(cache: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
     """Pin a draft head's cache: keys/values [B, Hkv, S, D], or [M, B, Hkv, S, D] (one per MTP module)."""
 
+    lead = cache.batch_axis
+
     def pin(x: jax.Array) -> jax.Array:
-        lead = x.ndim - 4
         spec = PartitionSpec(*((None,) * lead), *cache_spec(x.shape[lead:], mesh, rules))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

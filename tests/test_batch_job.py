@@ -115,7 +115,7 @@ def test_bad_flags_are_errors_without_traceback(tmp_path, capsys):
     assert main([*base, "--policy", "fixed"]) == 2
     assert "--policy fixed needs --spec" in capsys.readouterr().err
     assert main([*base, "--spec", "nope"]) == 2
-    assert "--spec: SpecConfig.method must be one of" in capsys.readouterr().err
+    assert "--spec: SpecConfig.method must be None or one of" in capsys.readouterr().err
     assert main([*base, "--policy-json", '{"rules": [{"max_batch": 0, "num_speculative_tokens": 2}]}']) == 2
     assert "need max_batch >= 1" in capsys.readouterr().err
     assert main(["--input", str(src), "--output", str(src)]) == 2
@@ -502,22 +502,15 @@ NGRAM_JOB = [
 SPECULATE_AT_4 = '{"rules": [{"max_batch": 4, "num_speculative_tokens": 2}]}'
 
 
-def test_continuous_job_speculates_with_ngram_and_matches_each_request_alone(tmp_path, tiny_dir, capsys):
-    """--policy auto speculating at the slot count (4): the job runs continuously (no static-batch
-    note), every result says ngram k=2 with its own rounds and acceptance, and each request's tokens are
-    those `jaxspec.generate` gives it alone with that spec, seed and id."""
+def assert_each_result_matches_the_request_alone(out, model_dir, spec, label: str, batch_size: int) -> None:
+    """Every result of the job's output has the tokens, rounds and acceptance `jaxspec.generate` gives
+    its request alone with `spec`, seed and id, and the speculation label `label`."""
     import jaxspec
     from jaxspec.decoding.generate import request_id_from_string
 
-    src = write_jsonl(tmp_path / "in.jsonl", NGRAM_JOB)
-    out = tmp_path / "out.jsonl"
-    args = ["--input", str(src), "--output", str(out), "--model", str(tiny_dir), "--batch-size", "4"]
-    assert main([*args, "--policy-json", SPECULATE_AT_4, "--steps-per-call", "3", "--no-progress"]) == 0
-    assert "static batches" not in capsys.readouterr().err
     records = {r["id"]: r for r in read_jsonl(out)}
     assert list(records) != [r["id"] for r in NGRAM_JOB]  # streamed as they finished
-    model = jaxspec.load(str(tiny_dir))
-    spec = SpecConfig(method="ngram", num_speculative_tokens=2)
+    model = jaxspec.load(str(model_dir))
     for request in NGRAM_JOB:
         record = records[request["id"]]
         sampling = SamplingParams(request.get("temperature", 0.0), top_p=request.get("top_p", 1.0))
@@ -527,29 +520,45 @@ def test_continuous_job_speculates_with_ngram_and_matches_each_request_alone(tmp
         )  # fmt: skip
         assert record["token_ids"] == alone.token_ids, request["id"]
         stats = record["stats"]
-        assert (stats["speculation"], stats["batch_size"]) == ("ngram k=2 topk=1", 4)
+        assert (stats["speculation"], stats["batch_size"]) == (label, batch_size)
         assert stats["rounds"] == alone.stats["rounds"]
         assert stats["accepted_by_depth"] == alone.stats["accepted_by_depth"]
         assert stats["mean_accepted_length"] == round(alone.stats["mean_accepted_length"], 4)
-    assert max(r["stats"]["mean_accepted_length"] for r in records.values()) > 1.0
 
 
-def test_continuous_job_with_a_head_drafter_runs_static_batches(tmp_path, tiny_dir, capsys, monkeypatch):
-    """Only n-gram speculation runs in the continuous loop: a job drafting with EAGLE runs static
-    batches, and says so (the generation itself is stubbed out: only the routing is checked here)."""
+def test_continuous_job_speculates_with_ngram_and_matches_each_request_alone(tmp_path, tiny_dir, capsys):
+    """--policy auto speculating at the slot count (4): every result says ngram k=2 with its own
+    rounds and acceptance, and each request's tokens are those `jaxspec.generate` gives it alone with
+    that spec, seed and id."""
+    src = write_jsonl(tmp_path / "in.jsonl", NGRAM_JOB)
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(src), "--output", str(out), "--model", str(tiny_dir), "--batch-size", "4"]
+    assert main([*args, "--policy-json", SPECULATE_AT_4, "--steps-per-call", "3", "--no-progress"]) == 0
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2)
+    assert_each_result_matches_the_request_alone(out, tiny_dir, spec, "ngram k=2 topk=1", 4)
+    assert max(r["stats"]["mean_accepted_length"] for r in read_jsonl(out)) > 1.0
+
+
+def test_continuous_job_drafts_with_a_head_inside_the_loop(tmp_path, tiny_dir, monkeypatch):
+    """A continuous job drafting with an EAGLE-3 head (random, --policy fixed): the head runs in the
+    continuous loop (results streamed as they finish), each request with the tokens, rounds and
+    acceptance it gets alone."""
     import jaxspec.batch.job as job
 
-    ran = []
-    monkeypatch.setattr(job, "generate_batches", lambda *args, **kwargs: ran.append("static"))
-    monkeypatch.setattr(job, "generate_continuously", lambda *args, **kwargs: ran.append("continuous"))
-    src = write_jsonl(tmp_path / "in.jsonl", NGRAM_JOB[:2])
-    args = ["--input", str(src), "--model", str(tiny_dir), "--no-progress", "--policy", "fixed"]
-    eagle = '{"method": "eagle", "head": "random", "num_speculative_tokens": 2}'
-    assert main([*args, "--output", str(tmp_path / "a.jsonl"), "--spec", eagle]) == 0
-    assert "eagle speculation runs in static batches" in capsys.readouterr().err
-    assert main([*args, "--output", str(tmp_path / "b.jsonl"), "--spec", "ngram"]) == 0
-    assert "static batches" not in capsys.readouterr().err
-    assert ran == ["static", "continuous"]
+    src = write_jsonl(tmp_path / "in.jsonl", NGRAM_JOB)
+    out = tmp_path / "out.jsonl"
+    fields = {
+        "method": "eagle3",
+        "head": "random",
+        "num_speculative_tokens": 2,
+        "extra": {"draft_vocab_size": 96},
+    }
+    args = ["--input", str(src), "--output", str(out), "--model", str(tiny_dir), "--batch-size", "3"]
+    monkeypatch.setattr(job, "generate_batches", None)  # a static batch would fail here
+    assert main([*args, "--policy", "fixed", "--spec", json.dumps(fields), "--steps-per-call", "3",
+                 "--no-progress"]) == 0  # fmt: skip
+    spec = SpecConfig.from_dict(fields)
+    assert_each_result_matches_the_request_alone(out, tiny_dir, spec, "eagle3 k=2 topk=1", 3)
 
 
 @pytest.mark.slow

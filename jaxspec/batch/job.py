@@ -12,11 +12,9 @@ Batching: --batching continuous (default) decodes through --batch-size slots ref
 compiled loop (`jaxspec.decoding.continuous`): a finished request frees its slot for the next one, and every
 --steps-per-call loop iterations the requests finished so far are appended. A continuous job speculates
 in the same loop, with one draft shape for the whole job: the policy's pick at --batch-size rows (the
-slot count), or --spec as given with --policy fixed. Continuous batching speculates with n-gram prompt
-lookup only (`continuous.CONTINUOUS_SPEC_METHODS`); a job whose method is another one (draft_model,
-medusa, eagle, eagle3, mtp) runs --batching static, as --batching static always does: one
-`jaxspec.generate` call per planned batch, appended when the batch finishes, the policy picking the draft
-shape per batch.
+slot count), or --spec as given with --policy fixed, whatever the method (n-gram, draft model, heads).
+--batching static runs one `jaxspec.generate` call per planned batch, appended when the batch finishes,
+the policy picking the draft shape per batch.
 
 Memory: before anything is written, the job checks that the weights and the KV cache of --batch-size
 rows (at the cache length its requests need) fit in 90% of --memory-budget-gib, or by default of the
@@ -129,8 +127,7 @@ def add_job_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument(
         "--batching", choices=("continuous", "static"), default="continuous",
         help="continuous: finished slots refilled inside the compiled loop, results streamed as they "
-        "finish (default; speculates with ngram only: a job drafting with another method runs static); "
-        "static: one generate call per batch",
+        "finish (default); static: one generate call per batch",
     )  # fmt: skip
     p.add_argument(
         "--steps-per-call", type=int, default=64,
@@ -344,30 +341,12 @@ def choose_batching(
     pick_spec: Callable[[int], Any],
     budget: MemoryBudget | None,
 ) -> tuple[bool, int]:
-    """(continuous?, batch size): --batching continuous unless the policy's pick drafts with a method
-    continuous batching cannot run (those run static batches, with a note), at the largest batch size up
-    to --batch-size that fits the memory budget (`jaxspec.batch.memory`)."""
-    from jaxspec.decoding.continuous import CONTINUOUS_SPEC_METHODS
-
-    def static_method(size: int) -> str | None:
-        """The policy's drafting method at `size` when continuous batching cannot run it, else None."""
-        spec = pick_spec(size)
-        method = spec.method if spec is not None else None
-        return method if method is not None and method not in CONTINUOUS_SPEC_METHODS else None
-
-    forced = static_method(args.batch_size) if args.batching == "continuous" else None
-    continuous = args.batching == "continuous" and forced is None
-    size = fit_batch_size(model, ready, args.batch_size, continuous, pick_spec, budget, args.input)
-    if continuous and (forced := static_method(size)) is not None:  # the policy drafts at the lower size
-        continuous = False
-        size = fit_batch_size(model, ready, size, continuous, pick_spec, budget, args.input)
-    if forced is not None:
-        print(
-            f"jaxspec: note: {forced} speculation runs in static batches (continuous batching "
-            f"speculates with {', '.join(CONTINUOUS_SPEC_METHODS)} only)",
-            file=sys.stderr,
-        )
-    return continuous, size
+    """(continuous?, batch size): --batching, at the largest batch size up to --batch-size that fits the
+    memory budget (`jaxspec.batch.memory`)."""
+    continuous = args.batching == "continuous"
+    return continuous, fit_batch_size(
+        model, ready, args.batch_size, continuous, pick_spec, budget, args.input
+    )
 
 
 def run_job(args: argparse.Namespace) -> int:

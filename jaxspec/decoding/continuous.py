@@ -8,8 +8,8 @@ sampling parameters). Each iteration of the loop does one of two things:
   slots), the next `admit_rows` requests of the bank are prefilled together (one [admit_rows, P]
   forward) and their keys/values, first token and parameters are written into free slots;
 * decode: otherwise one autoregressive token for every slot, or, with a speculative config
-  (`generate_continuous(..., spec=SpecConfig(method="ngram", ...))`), one speculative round for every
-  slot: `decoding.speculative.speculative_round`, the round the speculative loop runs.
+  (`generate_continuous(..., spec=SpecConfig(method="eagle3", ...))`, any method), one speculative
+  round for every slot: `decoding.speculative.speculative_round`, the round the speculative loop runs.
 
 After either, a slot whose request is finished (EOS or budget) writes its output row into the result
 bank (`[N, capacity]`) and becomes free. No host round trip per token: the host calls `run_continuous`
@@ -22,8 +22,9 @@ j, PURPOSE_BONUS)`), exactly as `jaxspec.generate` draws them for the request al
 of a step is row-wise. Speculating, each slot carries its request's history (prompt + emitted tokens),
 drafter state, round index and acceptance stats (`DraftRows`), all set afresh when a request is admitted
 into the slot: the slot's r-th round draws the keys of round r of (seed, request id), as the request's
-r-th round alone does. Drafters whose per-row state an admit can reset (CONTINUOUS_SPEC_METHODS) run
-here; the others run in `jaxspec.generate`'s static batches.
+r-th round alone does. An admit writes whole rows of the drafter state (the draft model's KV cache, a
+head's own cache and pending features, MTP's per-module caches along their batch axis), so nothing of a
+slot's previous request survives in it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from jaxspec.errors import InputError
 from jaxspec.model.buckets import length_bucket
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
-from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.kv_cache import HeadCache, KVCache
 from jaxspec.model.live_attention import live_attention
 from jaxspec.model.target import Model
 from pallas_kernels.dispatch import resolve_impl
@@ -95,10 +96,6 @@ class ContinuousState:
     draft: DraftRows | None = None
     result_rounds: jax.Array | None = None
     result_accepted_by_depth: jax.Array | None = None
-
-
-# Drafters a continuous run speculates with: their per-row state is reset by an admit (`run_continuous`).
-CONTINUOUS_SPEC_METHODS = ("ngram",)
 
 
 def init_state(
@@ -163,8 +160,19 @@ def idle_drafter_state(
 
 
 def _set_rows(tree, rows: jax.Array, values):
-    """Write values [R, ...] into rows [R] of every leaf of tree [B, ...]; rows == B are dropped."""
-    return jax.tree.map(lambda x, v: x.at[rows].set(v.astype(x.dtype), mode="drop"), tree, values)
+    """Write values [R, ...] into rows [R] of every leaf of tree [B, ...] (a `HeadCache`'s buffers: rows
+    on its batch_axis, e.g. MTP's [M, B, ...]); rows == B are dropped."""
+
+    def put(x: jax.Array, v: jax.Array, axis: int = 0) -> jax.Array:
+        return x.at[(slice(None),) * axis + (rows,)].set(v.astype(x.dtype), mode="drop")
+
+    def write(x, v):
+        if isinstance(x, HeadCache):
+            axis = x.batch_axis
+            return HeadCache(keys=put(x.keys, v.keys, axis), values=put(x.values, v.values, axis))
+        return put(x, v)
+
+    return jax.tree.map(write, tree, values, is_leaf=lambda x: isinstance(x, HeadCache))
 
 
 def prefill_widths(prompt_len: int) -> tuple[int, ...]:
@@ -349,9 +357,8 @@ def prepare_continuous(
 ) -> tuple[ContinuousState, Callable[[ContinuousState, int], ContinuousState]]:
     """(initial state, run(state, max_iterations) -> state) for the checked requests, in bank order.
 
-    spec: a SpecConfig with a method in CONTINUOUS_SPEC_METHODS (checked by the caller), or None /
-    method None for autoregressive decoding. Speculating, the output rows and caches get the speculative
-    loop's room (`spec_buffer_sizes`).
+    spec: a checked SpecConfig (`check_spec`), or None / method None for autoregressive decoding.
+    Speculating, the output rows and caches get the speculative loop's room (`spec_buffer_sizes`).
     """
     n = len(checked.token_lists)
     prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
@@ -384,25 +391,13 @@ def prepare_continuous(
     return state, run
 
 
-def continuous_spec(model: Model, spec: SpecConfig | dict | None) -> SpecConfig | None:
-    """`spec` checked for continuous batching: None (or method None) = autoregressive; a method outside
-    CONTINUOUS_SPEC_METHODS is an InputError naming it."""
-    spec = check_spec(model, spec)
-    if spec is not None and spec.method is not None and spec.method not in CONTINUOUS_SPEC_METHODS:
-        raise InputError(
-            f"generate_continuous: speculation with method {spec.method!r} is not supported in continuous "
-            f"batching (supported: {', '.join(CONTINUOUS_SPEC_METHODS)}); use jaxspec.generate"
-        )
-    return spec
-
-
 def compile_continuous(
     model: Model, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int], *, slots: int = 64,
     admit_rows: int | None = None, spec: SpecConfig | dict | None = None,
 ) -> None:  # fmt: skip
     """Compile the program `generate_continuous` runs for these requests without generating (for
     benchmarks that exclude compilation)."""
-    spec = continuous_spec(model, spec)
+    spec = check_spec(model, spec)
     checked = check_requests(model, prompts, max_new_tokens, None, 0, None)
     state, run = prepare_continuous(model, checked, slots, admit_rows, spec)
     jax.block_until_ready(run(state, 0))
@@ -427,8 +422,9 @@ def generate_continuous(
 
     Args:
       model, prompts, max_new_tokens, sampling, seed, request_ids: as `jaxspec.generate`.
-      spec: None = autoregressive; a SpecConfig (or vLLM-style dict) with a method in
-        CONTINUOUS_SPEC_METHODS ("ngram") = one speculative round per decode step. Others: InputError.
+      spec: None = autoregressive; a SpecConfig (or vLLM-style dict) with any method = one
+        speculative round per decode step (each slot's drafter state is set afresh
+        when a request is admitted into it).
       slots: rows decoded together. admit_rows: requests prefilled together when slots free up
         (default slots // 8, at least 1).
       steps_per_call: loop iterations per compiled call; between calls the host collects the requests
@@ -444,7 +440,7 @@ def generate_continuous(
         )
     if model.mesh is not None:
         raise InputError("generate_continuous: a model loaded with a mesh is not supported; use generate")
-    spec = continuous_spec(model, spec)
+    spec = check_spec(model, spec)
     checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
     n = len(checked.token_lists)
     # The bank in decreasing budget order (longest first: the last requests admitted are short, so

@@ -153,3 +153,8 @@ class HeadCache:
 
     keys: jax.Array
     values: jax.Array
+
+    @property
+    def batch_axis(self) -> int:
+        """The axis of the rows: 0, or 1 in the per-module layout [M, B, Hkv, S, D]."""
+        return self.keys.ndim - 4
