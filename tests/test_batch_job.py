@@ -526,7 +526,7 @@ def assert_each_result_matches_the_request_alone(out, model_dir, spec, label: st
         assert stats["mean_accepted_length"] == round(alone.stats["mean_accepted_length"], 4)
 
 
-def test_continuous_job_speculates_with_ngram_and_matches_each_request_alone(tmp_path, tiny_dir, capsys):
+def test_continuous_job_speculates_with_ngram_and_matches_each_request_alone(tmp_path, tiny_dir):
     """--policy auto speculating at the slot count (4): every result says ngram k=2 with its own
     rounds and acceptance, and each request's tokens are those `jaxspec.generate` gives it alone with
     that spec, seed and id."""
