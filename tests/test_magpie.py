@@ -88,3 +88,28 @@ def test_resumed_sampling_gives_the_uninterrupted_turns(tiny_chat_model):
     # Killed after the third batch: what was saved is `done`, sampling goes on from there.
     done = [row for batch in saved[:3] for row in batch]
     assert magpie_prompts(tiny_chat_model, 9, done=done, **kwargs) == full
+
+
+def test_refilled_slots_sample_the_same_turns_as_static_batches(tiny_chat_model):
+    # 3 slots refilled through 2 batches of 8 draws: each draw's text is the one `generate` gives its
+    # (seed, request id) in a static batch, so the kept turns are the first clean, new ones in draw order.
+    from jaxspec.config import SamplingParams
+    from jaxspec.decoding.generate import generate
+
+    config = MagpieConfig(max_new_tokens=12, require_stop=False, min_distinct_ratio=0.0)
+    rows = magpie_prompts(tiny_chat_model, 10, categories=("fact",), config=config, batch_size=8, slots=3,
+                          seed=2, max_batches_per_category=2)  # fmt: skip
+    prefix = pre_query_ids(tiny_chat_model.tokenizer, CATEGORIES["fact"])
+    sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p)
+    expected, index = [], NearDuplicateIndex([])
+    for batch in range(2):
+        draws = list(range(batch * 8, (batch + 1) * 8))
+        static = generate(tiny_chat_model, [prefix] * 8, max_new_tokens=12, sampling=sampling, seed=2 * 1000,
+                          request_ids=draws)  # fmt: skip
+        for draw, completion in zip(draws, static, strict=True):
+            text = clean_turn(completion.text, config)
+            if len(expected) < 10 and text is not None and not index.contains(text):
+                index.add(text)
+                expected.append({"id": f"magpie-fact-s2-{draw}", "category": "magpie_fact", "prompt": text,
+                                 "batch": batch})  # fmt: skip
+    assert len(expected) >= 2 and rows == expected

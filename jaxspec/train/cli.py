@@ -171,6 +171,7 @@ def _magpie_rows(args: argparse.Namespace, model, folder: Path) -> list[dict]:
         model, args.magpie_per_category, categories=names, seed=args.seed,
         config=MagpieConfig(max_new_tokens=args.magpie_max_new_tokens),
         exclude=load_prompt_texts(args.exclude) if args.exclude else [], batch_size=args.gen_batch,
+        slots=args.gen_batch,
         done=read_jsonl_rows(cache), on_batch=lambda rows: append_jsonl_rows(cache, rows),
     )  # fmt: skip
 

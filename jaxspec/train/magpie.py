@@ -94,6 +94,7 @@ def magpie_prompts(
     config: MagpieConfig = MagpieConfig(),
     exclude: Iterable[str] = (),
     batch_size: int = 32,
+    slots: int | None = None,
     max_batches_per_category: int | None = None,
     done: Sequence[dict] = (),
     on_batch: Callable[[list[dict]], None] | None = None,
@@ -101,14 +102,18 @@ def magpie_prompts(
     """Up to `per_category` clean, deduplicated user turns per category:
     [{"id", "category", "prompt", "batch"}], in sampling order.
 
-    Batches of `batch_size` turns are sampled per category (seed = (seed, category), request ids = the
-    draw's index) until `per_category` are kept or `max_batches_per_category` (default: enough for 4x
-    the target) were drawn. Ids are "magpie-{category}-s{seed}-{draw}".
+    Draws are sampled in batches of `batch_size` per category (seed = (seed, category), request ids =
+    the draw's index) until `per_category` are kept or `max_batches_per_category` (default: enough for
+    4x the target) were drawn. Ids are "magpie-{category}-s{seed}-{draw}". The next batch of every
+    category that still needs turns is sampled in one continuous-batching call through `slots`
+    refilled rows (default `batch_size`), so a short turn frees its row for the next draw; a draw's
+    text depends only on its seed and request id, not on what it was batched with. Batches are then
+    filtered in the order (batch, category), which fixes which of two near-duplicates is kept.
     Resumable: `done` holds rows of an earlier, interrupted call with the same arguments (e.g. what
     `on_batch`, called with each batch's kept rows, had saved); they are kept, count towards the
-    targets, and sampling continues after the last batch they came from.
+    targets, and sampling continues after the last batch each category had reached.
     """
-    from jaxspec.decoding.generate import generate
+    from jaxspec.decoding.continuous import generate_continuous
 
     if model.tokenizer is None:
         raise ValueError("magpie: the model has no tokenizer")
@@ -121,22 +126,35 @@ def magpie_prompts(
         seen.add(row["prompt"])
     sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p)
     limit = max_batches_per_category or max(1, -(-4 * per_category // batch_size))
-    for c_index, category in enumerate(categories):
-        earlier = [r for r in rows if r["category"] == f"magpie_{category}"]
-        kept = len(earlier)
-        first_batch = max((r["batch"] + 1 for r in earlier), default=0)
-        prefix = pre_query_ids(model.tokenizer, CATEGORIES[category])
-        for batch in range(first_batch, limit):
-            if kept >= per_category:
-                break
-            draws = range(batch * batch_size, (batch + 1) * batch_size)
-            completions = generate(
-                model, [prefix] * batch_size, max_new_tokens=config.max_new_tokens, sampling=sampling,
-                seed=seed * 1000 + c_index, request_ids=list(draws),
-            )  # fmt: skip
+    prefixes = {c: pre_query_ids(model.tokenizer, CATEGORIES[c]) for c in categories}
+    earlier = {c: [r for r in rows if r["category"] == f"magpie_{c}"] for c in categories}
+    kept = {c: len(earlier[c]) for c in categories}
+    next_batch = {c: max((r["batch"] + 1 for r in earlier[c]), default=0) for c in categories}
+    while True:
+        # (batch, category index) of every category that still samples: the order its batch is filtered in.
+        due = sorted(
+            (next_batch[c], i)
+            for i, c in enumerate(categories)
+            if kept[c] < per_category and next_batch[c] < limit
+        )
+        if not due:
+            return rows
+        requests = [(categories[i], batch, draw) for batch, i in due
+                    for draw in range(batch * batch_size, (batch + 1) * batch_size)]  # fmt: skip
+        completions = generate_continuous(
+            model, [prefixes[c] for c, _, _ in requests], max_new_tokens=config.max_new_tokens,
+            sampling=sampling, seed=[seed * 1000 + categories.index(c) for c, _, _ in requests],
+            request_ids=[draw for _, _, draw in requests], slots=slots or batch_size,
+        )  # fmt: skip
+        for k, (batch, i) in enumerate(due):
+            category = categories[i]
             new = []
-            for draw, completion in zip(draws, completions, strict=True):
-                if kept + len(new) >= per_category:
+            for (_, _, draw), completion in zip(
+                requests[k * batch_size : (k + 1) * batch_size],
+                completions[k * batch_size : (k + 1) * batch_size],
+                strict=True,
+            ):
+                if kept[category] + len(new) >= per_category:
                     break
                 if config.require_stop and completion.finish_reason != "stop":
                     continue
@@ -146,8 +164,8 @@ def magpie_prompts(
                 seen.add(text)
                 new.append({"id": f"magpie-{category}-s{seed}-{draw}", "category": f"magpie_{category}",
                             "prompt": text, "batch": batch})  # fmt: skip
-            kept += len(new)
+            kept[category] += len(new)
+            next_batch[category] = batch + 1
             rows.extend(new)
             if on_batch is not None:
                 on_batch(new)
-    return rows
