@@ -658,3 +658,58 @@ def test_init_from_head_starts_from_the_exported_head_and_its_vocabulary(
     capsys.readouterr()
     assert cli(tmp_path / "medusa", "head2") == 2
     assert f"{tmp_path / 'medusa'}: holds a medusa head, not eagle3" in capsys.readouterr().err
+
+
+def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trained_columns(
+    tiny, tiny_model, rows, tmp_path
+):
+    """`--init-from-head DIR --draft-vocab N`: the step-0 head drafts the data's N most frequent tokens;
+    its decoder layer, fusion and norm are DIR's; the LM-head column of a token DIR already drafted is
+    DIR's column for it, a new token's is the target's LM-head row."""
+    from flax import nnx
+
+    from jaxspec.cli import main
+    from jaxspec.drafters.heads.configs import default_eagle3_layers
+    from jaxspec.train.export import load_saved_head, save_head
+    from jaxspec.train.head_setup import (
+        draft_ids_of,
+        draft_vocabulary,
+        head_config_for,
+        new_head,
+        target_lm_rows,
+    )
+
+    layers = default_eagle3_layers(tiny_model.config.num_layers)
+    config = head_config_for("eagle3", tiny_model.config, depth=2, draft_vocab_size=128, eagle3_layers=layers)
+    old_ids = np.sort(np.random.default_rng(5).choice(VOCAB, 128, replace=False))
+    source = new_head(config, seed=7, draft_ids=old_ids)
+    save_head(tmp_path / "src", config, source.graphdef, source.params, dtype="float32")
+    work = tmp_path / "work"
+    work.mkdir()
+    append_jsonl_rows(work / "distill.jsonl", rows)
+    assert main([
+        "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(work), "--stages",
+        "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
+        "--num-positions", "8", "--batch-size", "8", "--save-dtype", "float32", "--no-progress",
+        "--output", str(work / "head"), "--init-from-head", str(tmp_path / "src"), "--draft-vocab", "96",
+    ]) == 0  # fmt: skip
+    started = load_saved_head(work / "head")
+    new_ids = draft_vocabulary(rows, VOCAB, 96)
+    np.testing.assert_array_equal(draft_ids_of(started), new_ids)
+    np.testing.assert_array_equal(np.load(work / "run_eagle3" / "draft_vocab.npy"), new_ids)
+    assert started.config.draft_vocab_size == 96
+    old, new = nnx.merge(source.graphdef, source.params), nnx.merge(started.graphdef, started.params)
+    for name in ("fc", "layer", "norm"):
+        for x, y in zip(jax.tree.leaves(nnx.state(getattr(old, name))),
+                        jax.tree.leaves(nnx.state(getattr(new, name))), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    kept = np.isin(new_ids, old_ids)
+    assert 0 < kept.sum() < 96  # both kinds of column are checked
+    old_kernel, new_kernel = np.asarray(old.lm_head.kernel[...]), np.asarray(new.lm_head.kernel[...])
+    target_rows = np.asarray(target_lm_rows(nnx.merge(tiny_model.graphdef, tiny_model.params)))
+    for j, token in enumerate(new_ids):
+        if kept[j]:
+            old_column = old_kernel[:, np.flatnonzero(old_ids == token)[0]]
+            np.testing.assert_array_equal(new_kernel[:, j], old_column)
+        else:
+            np.testing.assert_array_equal(new_kernel[:, j], target_rows[token])

@@ -24,6 +24,7 @@ from pathlib import Path
 
 STAGES = ("distill", "features", "train", "export")
 DEFAULT_NUM_POSITIONS = 32
+DEFAULT_DRAFT_VOCAB = 8192
 MIN_RESPONSE_TOKENS = 48  # a derived prompt must leave this many of --max-len for its response
 
 
@@ -66,7 +67,12 @@ def add_parser(subparsers) -> None:
         "--num-positions", type=int, default=None,
         help="loss positions per sequence (default: 32; EAGLE-3 all, its draft vocabulary is small)",
     )  # fmt: skip
-    p.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    p.add_argument(
+        "--draft-vocab", type=int, default=None,
+        help=f"EAGLE-3 draft vocabulary size (default {DEFAULT_DRAFT_VOCAB}); with --init-from-head, a new "
+        "vocabulary of this size is selected from the training data, the head's trained LM-head columns "
+        "of the tokens it keeps are kept and the new tokens start from the target's LM head",
+    )  # fmt: skip
     p.add_argument(
         "--init-from-target", choices=("none", "lm-head", "all"), default="none",
         help="start the head from the target: lm-head = EAGLE-3's draft LM head (the target's rows of the "
@@ -75,7 +81,8 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--init-from-head", metavar="DIR",
         help="fine-tune an exported head (jaxspec_head.json + params/): its parameters, config and EAGLE-3 "
-        "draft vocabulary instead of fresh ones (--draft-vocab, --init-from-target do not apply)",
+        "draft vocabulary instead of fresh ones (--init-from-target does not apply; --draft-vocab "
+        "re-selects the vocabulary)",
     )  # fmt: skip
     p.add_argument("--medusa-layers", type=int, default=1)
     p.add_argument("--mtp-modules", type=int, default=1)
@@ -286,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
         start_head = None
         if args.init_from_head:
             from jaxspec.errors import InputError, ModelLoadError
-            from jaxspec.train.head_setup import draft_ids_of, head_from_directory
+            from jaxspec.train.head_setup import draft_ids_of, head_from_directory, with_draft_vocabulary
 
             if args.init_from_target != "none":
                 print("jaxspec train: --init-from-head and --init-from-target exclude each other",
@@ -300,24 +307,32 @@ def run(args: argparse.Namespace) -> int:
             config = start_head.config
         else:
             config = head_config_for(
-                args.method, model.config, depth=args.depth, draft_vocab_size=args.draft_vocab,
+                args.method, model.config, depth=args.depth,
                 medusa_layers=args.medusa_layers, mtp_modules=args.mtp_modules, eagle3_layers=capture,
+                draft_vocab_size=args.draft_vocab or DEFAULT_DRAFT_VOCAB,
             )  # fmt: skip
         draft_ids = None
         if args.method == "eagle3":  # fixed at the first run: more data later must not change it
             vocab_file = workdir / f"run_{args.method}" / "draft_vocab.npy"
             exists = vocab_file.exists()
             barrier("train/draft-vocab-checked")  # every process decides alike before process 0 writes it
-            if start_head is not None:  # the head's own vocabulary; a resume without the flag keeps it
-                draft_ids = draft_ids_of(start_head)
+            if start_head is not None:  # the head's own vocabulary, or one re-selected from the data
+                if args.draft_vocab is None:
+                    draft_ids = draft_ids_of(start_head)
+                else:
+                    draft_ids = draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
+                    start_head = with_draft_vocabulary(start_head, draft_ids, model.graphdef, model.params)
+                    config = start_head.config
                 if exists and not np.array_equal(np.load(vocab_file), draft_ids):
-                    print(f"jaxspec train: {vocab_file} is not the draft vocabulary of --init-from-head "
-                          f"{args.init_from_head} (another run's directory?)", file=sys.stderr)  # fmt: skip
+                    print(f"jaxspec train: {vocab_file} is not the draft vocabulary this run starts from "
+                          f"(--init-from-head {args.init_from_head}, --draft-vocab {args.draft_vocab}; "
+                          "another run's directory?)", file=sys.stderr)  # fmt: skip
                     return 2
             elif exists:
                 draft_ids = np.load(vocab_file)
             else:  # the same ids on every process; one writes them
-                draft_ids = draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
+                size = args.draft_vocab or DEFAULT_DRAFT_VOCAB
+                draft_ids = draft_vocabulary(rows, model.config.vocab_size, size)
             if not exists:
                 vocab_file.parent.mkdir(parents=True, exist_ok=True)
                 if not multi or jax.process_index() == 0:
@@ -381,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
         }  # fmt: skip
         if args.init_from_head:
             info["init_from_head"] = str(Path(args.init_from_head).absolute())
+            info["head_source"] = head.source  # says when the draft vocabulary was re-selected
         # Host copies (every process takes part in gathering them): the exported head loads on one
         # device whatever mesh trained it. Process 0 writes it; the others wait until it is complete.
         params = nnx.merge_state(to_host(result.trainable["head"]), to_host(head_fixed))

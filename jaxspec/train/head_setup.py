@@ -113,6 +113,44 @@ def draft_ids_of(head: DraftHead) -> np.ndarray:
     return np.arange(d2t.shape[0]) + d2t
 
 
+def target_lm_rows(target) -> jnp.ndarray:
+    """[V, d] the target's LM-head rows (its embedding when tied), from a merged target module."""
+    if target.config.tie_word_embeddings:
+        return target.embed_tokens.embedding[...]
+    return target.lm_head.weight[...]
+
+
+def with_draft_vocabulary(
+    head: DraftHead, draft_ids: np.ndarray, target_graphdef, target_params
+) -> DraftHead:
+    """The EAGLE-3 `head` over another draft vocabulary `draft_ids` ([V_draft'] sorted target ids),
+    e.g. one re-selected from a larger data set: every weight but the draft LM head is the head's; the
+    LM-head columns of tokens the head already drafted keep their trained values, the other tokens'
+    start as the target's LM-head rows (as `init_from_target` starts a fresh head)."""
+    from flax import nnx
+
+    if not isinstance(head.config, Eagle3Config):
+        raise ValueError(f"only an EAGLE-3 head has a draft vocabulary, not a {method_of(head.config)} head")
+    draft_ids = np.asarray(draft_ids, np.int64)
+    config = dataclasses.replace(head.config, draft_vocab_size=int(draft_ids.shape[0]))
+    fresh = new_head(config, draft_ids=draft_ids)
+    module = nnx.merge(fresh.graphdef, fresh.params)
+    old = nnx.merge(head.graphdef, head.params)
+    for name in ("fc", "layer", "norm", "embed_tokens"):
+        if hasattr(old, name):
+            setattr(module, name, getattr(old, name))
+    old_ids = draft_ids_of(head)
+    kept = np.isin(draft_ids, old_ids)
+    rows = np.asarray(target_lm_rows(nnx.merge(target_graphdef, target_params)))
+    kernel = rows[draft_ids].T.astype(np.asarray(old.lm_head.kernel[...]).dtype)  # [d, V_draft']
+    kernel[:, kept] = np.asarray(old.lm_head.kernel[...])[:, np.searchsorted(old_ids, draft_ids[kept])]
+    module.lm_head.kernel[...] = jnp.asarray(kernel)
+    graphdef, params = nnx.split(module)
+    resized = f"draft vocabulary {old_ids.shape[0]} -> {draft_ids.shape[0]}, {int(kept.sum())} kept"
+    source = f"{head.source} ({resized})"
+    return DraftHead(config=config, graphdef=graphdef, params=params, source=source)
+
+
 def _copy_decoder_layer(head_layer, target_layer) -> None:
     """Copy a target decoder layer (fused [out, in] projections) into a head layer (NNX Linear kernels
     [in, out]). An EAGLE-3 layer's 2d-wide attention input gets the target's projections on its hidden
@@ -171,11 +209,7 @@ def init_from_target(head: DraftHead, target_graphdef, target_params, *, layers:
         return dataclasses.replace(head, params=stack_modules(states), source=head.source + " from target")
     module = nnx.merge(head.graphdef, head.params)
     if isinstance(config, Eagle3Config):
-        rows = (
-            target.embed_tokens.embedding[...]
-            if target.config.tie_word_embeddings
-            else target.lm_head.weight[...]
-        )
+        rows = target_lm_rows(target)
         module.lm_head.kernel[...] = rows[module.target_ids()].T.astype(module.lm_head.kernel.dtype)
         module.norm.weight[...] = target.norm.weight[...]
     if layers:
