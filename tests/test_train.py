@@ -661,11 +661,12 @@ def test_init_from_head_starts_from_the_exported_head_and_its_vocabulary(
 
 
 def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trained_columns(
-    tiny, tiny_model, rows, tmp_path
+    tiny, tiny_model, rows, tmp_path, capsys
 ):
     """`--init-from-head DIR --draft-vocab N`: the step-0 head drafts the data's N most frequent tokens;
     its decoder layer, fusion and norm are DIR's; the LM-head column of a token DIR already drafted is
-    DIR's column for it, a new token's is the target's LM-head row."""
+    DIR's column for it, a new token's is the target's LM-head row. A resume keeps the vocabulary of
+    the first run after the data grew; another --draft-vocab in the same directory is refused."""
     from flax import nnx
 
     from jaxspec.cli import main
@@ -687,12 +688,17 @@ def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trai
     work = tmp_path / "work"
     work.mkdir()
     append_jsonl_rows(work / "distill.jsonl", rows)
-    assert main([
-        "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(work), "--stages",
-        "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
-        "--num-positions", "8", "--batch-size", "8", "--save-dtype", "float32", "--no-progress",
-        "--output", str(work / "head"), "--init-from-head", str(tmp_path / "src"), "--draft-vocab", "96",
-    ]) == 0  # fmt: skip
+
+    def cli(out: str, size: int) -> int:
+        return main([
+            "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(work), "--stages",
+            "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
+            "--num-positions", "8", "--batch-size", "8", "--save-dtype", "float32", "--no-progress",
+            "--output", str(work / out), "--init-from-head", str(tmp_path / "src"),
+            "--draft-vocab", str(size),
+        ])  # fmt: skip
+
+    assert cli("head", 96) == 0
     started = load_saved_head(work / "head")
     new_ids = draft_vocabulary(rows, VOCAB, 96)
     np.testing.assert_array_equal(draft_ids_of(started), new_ids)
@@ -713,3 +719,15 @@ def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trai
             np.testing.assert_array_equal(new_kernel[:, j], old_column)
         else:
             np.testing.assert_array_equal(new_kernel[:, j], target_rows[token])
+
+    # More data whose most frequent tokens are outside the first vocabulary: a resume keeps it.
+    outside = [t for t in range(VOCAB) if t not in set(new_ids.tolist())][:8]
+    append_jsonl_rows(work / "distill.jsonl", [{**rows[0], "id": f"more{i}", "response_ids": outside * 20}
+                                               for i in range(4)])  # fmt: skip
+    assert not np.array_equal(draft_vocabulary(rows, VOCAB, 96), draft_vocabulary(
+        rows + [{**rows[0], "response_ids": outside * 20}] * 4, VOCAB, 96))  # fmt: skip
+    assert cli("head2", 96) == 0
+    np.testing.assert_array_equal(draft_ids_of(load_saved_head(work / "head2")), new_ids)
+    capsys.readouterr()
+    assert cli("head3", 64) == 2
+    assert "draft_vocab.npy holds a draft vocabulary of 96, not --draft-vocab 64" in capsys.readouterr().err

@@ -319,8 +319,17 @@ def run(args: argparse.Namespace) -> int:
             if start_head is not None:  # the head's own vocabulary, or one re-selected from the data
                 if args.draft_vocab is None:
                     draft_ids = draft_ids_of(start_head)
-                else:
-                    draft_ids = draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
+                else:  # selected at the first run (a resume keeps it however the data grew)
+                    draft_ids = (
+                        np.load(vocab_file)
+                        if exists
+                        else draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
+                    )
+                    if draft_ids.shape[0] != min(args.draft_vocab, model.config.vocab_size):
+                        print(f"jaxspec train: {vocab_file} holds a draft vocabulary of "
+                              f"{draft_ids.shape[0]}, not --draft-vocab {args.draft_vocab} (another run's "
+                              "directory?)", file=sys.stderr)  # fmt: skip
+                        return 2
                     start_head = with_draft_vocabulary(start_head, draft_ids, model.graphdef, model.params)
                     config = start_head.config
                 if exists and not np.array_equal(np.load(vocab_file), draft_ids):
