@@ -665,8 +665,10 @@ def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trai
 ):
     """`--init-from-head DIR --draft-vocab N`: the step-0 head drafts the data's N most frequent tokens;
     its decoder layer, fusion and norm are DIR's; the LM-head column of a token DIR already drafted is
-    DIR's column for it, a new token's is the target's LM-head row. A resume keeps the vocabulary of
-    the first run after the data grew; another --draft-vocab in the same directory is refused."""
+    DIR's column for it, a new token's is its target LM-head row through the least-squares map from the
+    kept tokens' target rows to their columns (the target row itself when fewer than d tokens are
+    kept). A resume keeps the first run's vocabulary after the data grew; another --draft-vocab in the
+    same directory is refused."""
     from flax import nnx
 
     from jaxspec.cli import main
@@ -681,15 +683,15 @@ def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trai
     )
 
     layers = default_eagle3_layers(tiny_model.config.num_layers)
-    config = head_config_for("eagle3", tiny_model.config, depth=2, draft_vocab_size=128, eagle3_layers=layers)
-    old_ids = np.sort(np.random.default_rng(5).choice(VOCAB, 128, replace=False))
+    config = head_config_for("eagle3", tiny_model.config, depth=2, draft_vocab_size=256, eagle3_layers=layers)
+    old_ids = np.sort(np.random.default_rng(5).choice(VOCAB, 256, replace=False))
     source = new_head(config, seed=7, draft_ids=old_ids)
     save_head(tmp_path / "src", config, source.graphdef, source.params, dtype="float32")
-    work = tmp_path / "work"
-    work.mkdir()
-    append_jsonl_rows(work / "distill.jsonl", rows)
+    target_rows = np.asarray(target_lm_rows(nnx.merge(tiny_model.graphdef, tiny_model.params)), np.float64)
+    old = nnx.merge(source.graphdef, source.params)
+    old_kernel = np.asarray(old.lm_head.kernel[...])
 
-    def cli(out: str, size: int) -> int:
+    def cli(work: Path, out: str, size: int) -> int:
         return main([
             "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(work), "--stages",
             "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
@@ -698,36 +700,40 @@ def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trai
             "--draft-vocab", str(size),
         ])  # fmt: skip
 
-    assert cli("head", 96) == 0
-    started = load_saved_head(work / "head")
-    new_ids = draft_vocabulary(rows, VOCAB, 96)
-    np.testing.assert_array_equal(draft_ids_of(started), new_ids)
-    np.testing.assert_array_equal(np.load(work / "run_eagle3" / "draft_vocab.npy"), new_ids)
-    assert started.config.draft_vocab_size == 96
-    old, new = nnx.merge(source.graphdef, source.params), nnx.merge(started.graphdef, started.params)
-    for name in ("fc", "layer", "norm"):
-        for x, y in zip(jax.tree.leaves(nnx.state(getattr(old, name))),
-                        jax.tree.leaves(nnx.state(getattr(new, name))), strict=True):  # fmt: skip
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    kept = np.isin(new_ids, old_ids)
-    assert 0 < kept.sum() < 96  # both kinds of column are checked
-    old_kernel, new_kernel = np.asarray(old.lm_head.kernel[...]), np.asarray(new.lm_head.kernel[...])
-    target_rows = np.asarray(target_lm_rows(nnx.merge(tiny_model.graphdef, tiny_model.params)))
-    for j, token in enumerate(new_ids):
-        if kept[j]:
-            old_column = old_kernel[:, np.flatnonzero(old_ids == token)[0]]
-            np.testing.assert_array_equal(new_kernel[:, j], old_column)
-        else:
-            np.testing.assert_array_equal(new_kernel[:, j], target_rows[token])
+    for size in (128, 40):  # about 100 kept tokens (>= d = 64: mapped), then about 30 (target rows)
+        work = tmp_path / f"work{size}"
+        work.mkdir()
+        append_jsonl_rows(work / "distill.jsonl", rows)
+        assert cli(work, "head", size) == 0
+        started = load_saved_head(work / "head")
+        new_ids = draft_vocabulary(rows, VOCAB, size)
+        np.testing.assert_array_equal(draft_ids_of(started), new_ids)
+        np.testing.assert_array_equal(np.load(work / "run_eagle3" / "draft_vocab.npy"), new_ids)
+        assert started.config.draft_vocab_size == size
+        new = nnx.merge(started.graphdef, started.params)
+        for name in ("fc", "layer", "norm"):
+            for x, y in zip(jax.tree.leaves(nnx.state(getattr(old, name))),
+                            jax.tree.leaves(nnx.state(getattr(new, name))), strict=True):  # fmt: skip
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        kept = np.isin(new_ids, old_ids)
+        assert 0 < kept.sum() < size and (kept.sum() >= 64) == (size == 128)
+        new_kernel = np.asarray(new.lm_head.kernel[...])
+        kept_columns = old_kernel[:, np.searchsorted(old_ids, new_ids[kept])]
+        np.testing.assert_array_equal(new_kernel[:, kept], kept_columns)
+        expected = target_rows[new_ids[~kept]]
+        if size == 128:
+            x, y = target_rows[new_ids[kept]], kept_columns.T.astype(np.float64)
+            expected = expected @ np.linalg.lstsq(x, y, rcond=None)[0]
+        np.testing.assert_allclose(new_kernel[:, ~kept], expected.T, rtol=1e-4, atol=1e-6)
 
     # More data whose most frequent tokens are outside the first vocabulary: a resume keeps it.
+    work, new_ids = tmp_path / "work128", draft_vocabulary(rows, VOCAB, 128)
     outside = [t for t in range(VOCAB) if t not in set(new_ids.tolist())][:8]
-    append_jsonl_rows(work / "distill.jsonl", [{**rows[0], "id": f"more{i}", "response_ids": outside * 20}
-                                               for i in range(4)])  # fmt: skip
-    assert not np.array_equal(draft_vocabulary(rows, VOCAB, 96), draft_vocabulary(
-        rows + [{**rows[0], "response_ids": outside * 20}] * 4, VOCAB, 96))  # fmt: skip
-    assert cli("head2", 96) == 0
+    more = [{**rows[0], "id": f"more{i}", "response_ids": outside * 20} for i in range(4)]
+    append_jsonl_rows(work / "distill.jsonl", more)
+    assert not np.array_equal(draft_vocabulary(rows + more, VOCAB, 128), new_ids)
+    assert cli(work, "head2", 128) == 0
     np.testing.assert_array_equal(draft_ids_of(load_saved_head(work / "head2")), new_ids)
     capsys.readouterr()
-    assert cli("head3", 64) == 2
-    assert "draft_vocab.npy holds a draft vocabulary of 96, not --draft-vocab 64" in capsys.readouterr().err
+    assert cli(work, "head3", 64) == 2
+    assert "draft_vocab.npy holds a draft vocabulary of 128, not --draft-vocab 64" in capsys.readouterr().err

@@ -125,8 +125,11 @@ def with_draft_vocabulary(
 ) -> DraftHead:
     """The EAGLE-3 `head` over another draft vocabulary `draft_ids` ([V_draft'] sorted target ids),
     e.g. one re-selected from a larger data set: every weight but the draft LM head is the head's; the
-    LM-head columns of tokens the head already drafted keep their trained values, the other tokens'
-    start as the target's LM-head rows (as `init_from_target` starts a fresh head)."""
+    LM-head columns of tokens the head already drafted keep their trained values. A trained head's
+    columns live in its own space (the shipped SmolLM2 head's are uncorrelated with the target's rows),
+    so a new token's column is its target LM-head row mapped into that space: by the linear map A
+    [d, d] that best takes the kept tokens' target rows to their trained columns (least squares;
+    `kept.sum()` >= d needed, else the target rows as they are)."""
     from flax import nnx
 
     if not isinstance(head.config, Eagle3Config):
@@ -142,8 +145,15 @@ def with_draft_vocabulary(
     old_ids = draft_ids_of(head)
     kept = np.isin(draft_ids, old_ids)
     rows = np.asarray(target_lm_rows(nnx.merge(target_graphdef, target_params)))
-    kernel = rows[draft_ids].T.astype(np.asarray(old.lm_head.kernel[...]).dtype)  # [d, V_draft']
-    kernel[:, kept] = np.asarray(old.lm_head.kernel[...])[:, np.searchsorted(old_ids, draft_ids[kept])]
+    trained = np.asarray(old.lm_head.kernel[...])  # [d, V_draft]
+    shared = trained[:, np.searchsorted(old_ids, draft_ids[kept])]  # [d, kept]
+    new_rows = rows[draft_ids[~kept]].astype(np.float64)  # [new, d]
+    if kept.sum() >= rows.shape[1]:  # fit Y ≈ X A on the kept tokens: X their target rows, Y columns
+        fit, *_ = np.linalg.lstsq(rows[draft_ids[kept]].astype(np.float64), shared.T, rcond=None)
+        new_rows = new_rows @ fit
+    kernel = np.empty((trained.shape[0], draft_ids.shape[0]), trained.dtype)
+    kernel[:, kept] = shared
+    kernel[:, ~kept] = new_rows.T
     module.lm_head.kernel[...] = jnp.asarray(kernel)
     graphdef, params = nnx.split(module)
     resized = f"draft vocabulary {old_ids.shape[0]} -> {draft_ids.shape[0]}, {int(kept.sum())} kept"
