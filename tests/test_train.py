@@ -298,6 +298,13 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny, rows, store, tmp_pa
     steps = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
     assert steps and max(steps) < 60, f"the run was not interrupted mid-training: {steps}"
     assert not (dirs["killed"] / "head").exists()
+    # Without --resume the checkpoints are not silently overwritten: a one-line error that says why.
+    again = subprocess.run(_cli(dirs["killed"], tiny), env=_env(), cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    assert (
+        f"{dirs['killed'] / 'run_medusa'} already has checkpoints" in again.stderr
+        and "--resume" in again.stderr
+    )
     subprocess.run(
         _cli(dirs["killed"], tiny, "--resume"), check=True, env=_env(), cwd=REPO, capture_output=True
     )

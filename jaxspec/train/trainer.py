@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from jaxspec.errors import InputError
 from jaxspec.train.losses import Objective
 
 PURPOSE_STEP = 1
@@ -334,7 +335,10 @@ def train(
     latest = manager.latest_step()
     if latest is not None:
         if not resume:
-            raise ValueError(f"trainer: {run_dir} already has checkpoints; pass resume=True (--resume)")
+            raise InputError(
+                f"{run_dir} already has checkpoints (last step {latest}): pass --resume (resume=True) to "
+                "continue them, or use another work directory"
+            )
         # The restore target's arrays carry this run's shardings: a checkpoint moves between meshes.
         state = manager.restore(
             latest, args=ocp.args.StandardRestore({"trainable": trainable, "opt_state": opt_state})
