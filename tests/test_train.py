@@ -681,20 +681,14 @@ def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trai
     from jaxspec.cli import main
     from jaxspec.drafters.heads.configs import default_eagle3_layers
     from jaxspec.train.export import load_saved_head, save_head
-    from jaxspec.train.head_setup import (
-        draft_ids_of,
-        draft_vocabulary,
-        head_config_for,
-        new_head,
-        target_lm_rows,
-    )
+    from jaxspec.train.head_setup import draft_ids_of, draft_vocabulary, head_config_for, new_head
 
     layers = default_eagle3_layers(tiny_model.config.num_layers)
     config = head_config_for("eagle3", tiny_model.config, depth=2, draft_vocab_size=256, eagle3_layers=layers)
     old_ids = np.sort(np.random.default_rng(5).choice(VOCAB, 256, replace=False))
     source = new_head(config, seed=7, draft_ids=old_ids)
     save_head(tmp_path / "src", config, source.graphdef, source.params, dtype="float32")
-    target_rows = np.asarray(target_lm_rows(nnx.merge(tiny_model.graphdef, tiny_model.params)), np.float64)
+    target_rows = np.asarray(nnx.merge(tiny_model.graphdef, tiny_model.params).lm_head_rows(), np.float64)
     old = nnx.merge(source.graphdef, source.params)
     old_kernel = np.asarray(old.lm_head.kernel[...])
 

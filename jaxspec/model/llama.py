@@ -295,13 +295,15 @@ class LlamaModel(nnx.Module):
         """tokens [B, N] -> embeddings [B, N, d]."""
         return self.embed_tokens(tokens)
 
+    def lm_head_rows(self) -> jax.Array:
+        """[V, d] the LM head's rows: the token embedding when tied."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...]
+        return self.lm_head.weight[...]
+
     def lm_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., d] (after the final norm) -> float32 logits [..., V]."""
-        if self.config.tie_word_embeddings:
-            weight = self.embed_tokens.embedding[...]  # [V, d]
-        else:
-            weight = self.lm_head.weight[...]  # [V, d]
-        return rows_times(weight, hidden, jnp.float32)
+        return rows_times(self.lm_head_rows(), hidden, jnp.float32)
 
     def __call__(
         self,

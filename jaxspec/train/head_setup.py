@@ -113,13 +113,6 @@ def draft_ids_of(head: DraftHead) -> np.ndarray:
     return np.arange(d2t.shape[0]) + d2t
 
 
-def target_lm_rows(target) -> jnp.ndarray:
-    """[V, d] the target's LM-head rows (its embedding when tied), from a merged target module."""
-    if target.config.tie_word_embeddings:
-        return target.embed_tokens.embedding[...]
-    return target.lm_head.weight[...]
-
-
 def with_draft_vocabulary(
     head: DraftHead, draft_ids: np.ndarray, target_graphdef, target_params
 ) -> DraftHead:
@@ -144,7 +137,7 @@ def with_draft_vocabulary(
             setattr(module, name, getattr(old, name))
     old_ids = draft_ids_of(head)
     kept = np.isin(draft_ids, old_ids)
-    rows = np.asarray(target_lm_rows(nnx.merge(target_graphdef, target_params)))
+    rows = np.asarray(nnx.merge(target_graphdef, target_params).lm_head_rows())
     trained = np.asarray(old.lm_head.kernel[...])  # [d, V_draft]
     shared = trained[:, np.searchsorted(old_ids, draft_ids[kept])]  # [d, kept]
     new_rows = rows[draft_ids[~kept]].astype(np.float64)  # [new, d]
@@ -219,7 +212,7 @@ def init_from_target(head: DraftHead, target_graphdef, target_params, *, layers:
         return dataclasses.replace(head, params=stack_modules(states), source=head.source + " from target")
     module = nnx.merge(head.graphdef, head.params)
     if isinstance(config, Eagle3Config):
-        rows = target_lm_rows(target)
+        rows = target.lm_head_rows()
         module.lm_head.kernel[...] = rows[module.target_ids()].T.astype(module.lm_head.kernel.dtype)
         module.norm.weight[...] = target.norm.weight[...]
     if layers:
