@@ -316,32 +316,27 @@ def run(args: argparse.Namespace) -> int:
             vocab_file = workdir / f"run_{args.method}" / "draft_vocab.npy"
             exists = vocab_file.exists()
             barrier("train/draft-vocab-checked")  # every process decides alike before process 0 writes it
-            if start_head is not None:  # the head's own vocabulary, or one re-selected from the data
-                if args.draft_vocab is None:
-                    draft_ids = draft_ids_of(start_head)
-                else:  # selected at the first run (a resume keeps it however the data grew)
-                    draft_ids = (
-                        np.load(vocab_file)
-                        if exists
-                        else draft_vocabulary(rows, model.config.vocab_size, args.draft_vocab)
-                    )
-                    if draft_ids.shape[0] != min(args.draft_vocab, model.config.vocab_size):
-                        print(f"jaxspec train: {vocab_file} holds a draft vocabulary of "
-                              f"{draft_ids.shape[0]}, not --draft-vocab {args.draft_vocab} (another run's "
-                              "directory?)", file=sys.stderr)  # fmt: skip
-                        return 2
-                    start_head = with_draft_vocabulary(start_head, draft_ids, model.graphdef, model.params)
-                    config = start_head.config
-                if exists and not np.array_equal(np.load(vocab_file), draft_ids):
-                    print(f"jaxspec train: {vocab_file} is not the draft vocabulary this run starts from "
-                          f"(--init-from-head {args.init_from_head}, --draft-vocab {args.draft_vocab}; "
-                          "another run's directory?)", file=sys.stderr)  # fmt: skip
+            saved = np.load(vocab_file) if exists else None
+            keeps_head_vocab = start_head is not None and args.draft_vocab is None
+            if keeps_head_vocab:  # the head's own vocabulary; a resume without the flag keeps it
+                draft_ids = draft_ids_of(start_head)
+                if saved is not None and not np.array_equal(saved, draft_ids):
+                    print(f"jaxspec train: {vocab_file} is not the draft vocabulary of --init-from-head "
+                          f"{args.init_from_head} (another run's directory?)", file=sys.stderr)  # fmt: skip
                     return 2
-            elif exists:
-                draft_ids = np.load(vocab_file)
+            elif saved is not None:  # selected at the first run: a resume keeps it however the data grew
+                draft_ids = saved
             else:  # the same ids on every process; one writes them
                 size = args.draft_vocab or DEFAULT_DRAFT_VOCAB
                 draft_ids = draft_vocabulary(rows, model.config.vocab_size, size)
+            if start_head is not None and not keeps_head_vocab:  # --draft-vocab re-selects the head's
+                if draft_ids.shape[0] != min(args.draft_vocab, model.config.vocab_size):
+                    print(f"jaxspec train: {vocab_file} holds a draft vocabulary of {draft_ids.shape[0]}, "
+                          f"not --draft-vocab {args.draft_vocab} (another run's directory?)",
+                          file=sys.stderr)  # fmt: skip
+                    return 2
+                start_head = with_draft_vocabulary(start_head, draft_ids, model.graphdef, model.params)
+                config = start_head.config
             if not exists:
                 vocab_file.parent.mkdir(parents=True, exist_ok=True)
                 if not multi or jax.process_index() == 0:

@@ -139,17 +139,17 @@ def magpie_prompts(
         )
         if not due:
             return rows
-        requests = [(categories[i], batch, draw) for batch, i in due
+        requests = [(i, draw) for batch, i in due
                     for draw in range(batch * batch_size, (batch + 1) * batch_size)]  # fmt: skip
         completions = generate_continuous(
-            model, [prefixes[c] for c, _, _ in requests], max_new_tokens=config.max_new_tokens,
-            sampling=sampling, seed=[seed * 1000 + categories.index(c) for c, _, _ in requests],
-            request_ids=[draw for _, _, draw in requests], slots=slots or batch_size,
+            model, [prefixes[categories[i]] for i, _ in requests], max_new_tokens=config.max_new_tokens,
+            sampling=sampling, seed=[seed * 1000 + i for i, _ in requests],
+            request_ids=[draw for _, draw in requests], slots=slots or batch_size,
         )  # fmt: skip
         for k, (batch, i) in enumerate(due):
             category = categories[i]
             new = []
-            for (_, _, draw), completion in zip(
+            for (_, draw), completion in zip(
                 requests[k * batch_size : (k + 1) * batch_size],
                 completions[k * batch_size : (k + 1) * batch_size],
                 strict=True,
