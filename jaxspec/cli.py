@@ -269,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.spec is None:
                 args.spec = _demo_default_spec(args.model)
             _run_demo(args, args.prompt or list(DEMO_PROMPTS))
+    except KeyboardInterrupt:
+        print(f"\njaxspec {args.command}: interrupted", file=sys.stderr)
+        if args.command == "train":
+            print("jaxspec train: what each stage committed is kept (distilled records, feature rows, "
+                  "checkpoints); rerun the same command to continue, with --resume once training had "
+                  "started", file=sys.stderr)  # fmt: skip
+        return 130
     except Exception as exc:
         from jaxspec.errors import JaxspecError
 

@@ -74,3 +74,23 @@ def test_help_lists_the_batch_options_without_importing_jax():
     batch_options = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
     missing = [o for o in sorted(batch_options) if o not in out]
     assert not missing, missing
+
+
+def test_ctrl_c_during_train_is_a_message_and_exit_130_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in `jaxspec train` (here raised from the stage runner) ends with exit status 130 and says
+    what is kept and how to continue, instead of a KeyboardInterrupt traceback."""
+    import jaxspec.cli
+    import jaxspec.train.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jaxspec.train.cli, "run", interrupted)
+    try:
+        status = jaxspec.cli.main(["train", "--method", "eagle3", "--workdir", "unused"])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped jaxspec.cli.main")
+    assert status == 130
+    err = capsys.readouterr().err
+    assert "jaxspec train: interrupted" in err
+    assert "rerun the same command to continue, with --resume" in err
