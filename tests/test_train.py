@@ -316,6 +316,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tiny, rows, store, tmp_pa
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     info = json.loads((dirs["killed"] / "head" / "training.json").read_text())
     assert info["steps"] == 60
+    # Every distilled row was featured and none held out (no --val-fraction): training.json says so.
+    assert (info["train_sequences"], info["val_sequences"]) == (info["sequences"], 0)
     log_steps = [
         json.loads(line)["step"] for line in (dirs["killed"] / "run_medusa" / "metrics.jsonl").open()
     ]

@@ -394,7 +394,8 @@ def run(args: argparse.Namespace) -> int:
 
         info = {
             "target": args.model, "command": "jaxspec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "steps": result.step, "sequences": len(rows), **timings,
+            "steps": result.step, "sequences": len(rows), "train_sequences": source.num_sequences,
+            "val_sequences": validation.num_sequences if validation is not None else 0, **timings,
             "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
             "mesh": args.mesh or "1x1", "throughput": result.throughput,
         }  # fmt: skip

@@ -3,7 +3,9 @@
 The head itself is written in jaxspec's own head format (`jaxspec.drafters.heads.orbax_io`:
 jaxspec_head.json + Orbax `params/`), floating parameters stored in `dtype` (bfloat16 by default; the
 loader casts them to the model's dtype), integer tables (EAGLE-3's d2t/t2d) unchanged. Next to it:
-  training.json  how it was trained: {"target", "command", "steps", "sequences", "*_s" timings, ...}
+  training.json  how it was trained: {"target", "command", "steps", "sequences" (rows of the
+                 distilled data), "train_sequences" / "val_sequences" (the featured ones trained on / held
+                 out), "*_s" timings, ...}
   curves.png     training curves (copied from the run directory), when present.
 """
 
