@@ -271,10 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             _run_demo(args, args.prompt or list(DEMO_PROMPTS))
     except KeyboardInterrupt:
         print(f"\njaxspec {args.command}: interrupted", file=sys.stderr)
-        if args.command == "train":
-            print("jaxspec train: what each stage committed is kept (distilled records, feature rows, "
-                  "checkpoints); rerun the same command to continue, with --resume once training had "
-                  "started", file=sys.stderr)  # fmt: skip
+        hint = getattr(feature_modules.get(args.command), "INTERRUPT_HINT", None)
+        if hint:
+            print(f"jaxspec {args.command}: {hint}", file=sys.stderr)
         return 130
     except Exception as exc:
         from jaxspec.errors import JaxspecError

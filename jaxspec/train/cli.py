@@ -26,6 +26,11 @@ STAGES = ("distill", "features", "train", "export")
 DEFAULT_NUM_POSITIONS = 32
 DEFAULT_DRAFT_VOCAB = 8192
 MIN_RESPONSE_TOKENS = 48  # a derived prompt must leave this many of --max-len for its response
+# What `jaxspec` prints after "interrupted" when Ctrl-C stops this command (jaxspec.cli.main).
+INTERRUPT_HINT = (
+    "what each stage committed is kept (distilled records, feature rows, checkpoints); rerun the same "
+    "command to continue, with --resume once training had started"
+)
 
 
 def add_parser(subparsers) -> None:
