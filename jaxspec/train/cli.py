@@ -80,8 +80,9 @@ def add_parser(subparsers) -> None:
     )  # fmt: skip
     p.add_argument(
         "--init-from-target", choices=("none", "lm-head", "all"), default="none",
-        help="start the head from the target: lm-head = EAGLE-3's draft LM head (the target's rows of the "
-        "draft vocabulary) and final norm; all = also every head decoder layer from the target's last layer",
+        help="start the head from the target (EAGLE-3, MTP; EAGLE-1 refuses it, Medusa ignores it): "
+        "lm-head = EAGLE-3's draft LM head (the target's rows of the draft vocabulary) and final norm; "
+        "all = also every head decoder layer from the target's last layer",
     )  # fmt: skip
     p.add_argument(
         "--init-from-head", metavar="DIR",
@@ -199,6 +200,12 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         print(f"jaxspec train: unknown stage(s) {bad}; choose from {STAGES}", file=sys.stderr)
+        return 2
+    if args.method == "eagle" and args.init_from_target != "none":
+        from jaxspec.train.head_setup import EAGLE1_FROM_TARGET
+
+        print(f"jaxspec train: --init-from-target {args.init_from_target}: {EAGLE1_FROM_TARGET}",
+              file=sys.stderr)  # fmt: skip
         return 2
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
