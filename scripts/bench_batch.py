@@ -21,16 +21,19 @@ the measurements behind `jaxspec.drafters.policy.default_policy("cpu")`. Prints 
 cycle through the dev prompts with max_new_tokens drawn from --mixed-budgets (fixed seed); greedy,
 autoregressive. For each --slots count: jaxspec static batches (`jaxspec.generate` on batches of that
 size, sorted by length bucket as the batch job plans them), jaxspec continuous batching
-(`jaxspec.decoding.continuous.generate_continuous`) and, with --peer, Hugging Face transformers batched
-`generate` (left padding, same batch size, float32, each batch run to its largest budget, tokens past a
-request's own budget or EOS not counted). Reports total tokens/s, total time, time to the first
-finished request and peak RSS; compilation is excluded (every program is compiled first).
+(`jaxspec.decoding.continuous.generate_continuous`: the prompts' shared prefix, the chat template's
+system turn, prefilled once), the same prefilling whole prompts (`share_prefix=False`) and, with
+--peer, Hugging Face transformers batched `generate` (left padding, same batch size, float32, each
+batch run to its largest budget, tokens past a request's own budget or EOS not counted). Reports total
+tokens/s, total time, time to the first finished request and peak RSS; compilation is excluded (every
+program is compiled first).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -215,20 +218,24 @@ def run_static(model, prompts, budgets, batch_size):
         out = jaxspec.generate(model, [prompts[i] for i in b], max_new_tokens=[budgets[i] for i in b])
         tokens += sum(len(c.token_ids) for c in out)
         first = first or time.perf_counter() - start
-    return tokens, time.perf_counter() - start, first
+    return tokens, time.perf_counter() - start, first, {}
 
 
-def run_continuous_batching(model, prompts, budgets, slots):
+def run_continuous_batching(model, prompts, budgets, slots, share_prefix=True):
     from jaxspec.decoding.continuous import compile_continuous, generate_continuous
 
-    compile_continuous(model, prompts, budgets, slots=slots)
+    compile_continuous(model, prompts, budgets, slots=slots, share_prefix=share_prefix)
     first = []
     start = time.perf_counter()
     out = generate_continuous(
-        model, prompts, max_new_tokens=budgets, slots=slots,
+        model, prompts, max_new_tokens=budgets, slots=slots, share_prefix=share_prefix,
         on_finished=lambda batch: first.append(time.perf_counter() - start) if not first else None,
     )  # fmt: skip
-    return sum(len(c.token_ids) for c in out), time.perf_counter() - start, first[0]
+    seconds = time.perf_counter() - start
+    counted = {  # the whole run's, as the last call reported them
+        key: max(c.stats[f"batch_{key}"] for c in out) for key in ("decode_steps", "prefill_positions")
+    }
+    return sum(len(c.token_ids) for c in out), seconds, first[0], counted
 
 
 def run_hf(peer, prompts, budgets, batch_size):
@@ -258,7 +265,7 @@ def run_hf(peer, prompts, budgets, batch_size):
     for b in batches:
         tokens += one(b)
         first = first or time.perf_counter() - start
-    return tokens, time.perf_counter() - start, first
+    return tokens, time.perf_counter() - start, first, {}
 
 
 def continuous(args, model, prompts) -> list[dict]:
@@ -276,28 +283,36 @@ def continuous(args, model, prompts) -> list[dict]:
     )
     rows, results = [], []
     for slots in args.slots:
-        engines = [("jaxspec static batches", run_static), ("jaxspec continuous", run_continuous_batching)]
+        engines = [
+            ("jaxspec static batches", run_static),
+            ("jaxspec continuous", run_continuous_batching),
+            (
+                "jaxspec continuous, whole prompts",
+                functools.partial(run_continuous_batching, share_prefix=False),
+            ),
+        ]
         measured = {}
         if peer is not None:
             engines.append(("transformers batched", lambda _model, *rest: run_hf(peer, *rest)))
         for label, fn in engines:
-            tokens, seconds, first = fn(model, reqs, budgets, slots)
-            measured[label] = (tokens, seconds, first)
+            tokens, seconds, first, counted = fn(model, reqs, budgets, slots)
+            measured[label] = (tokens, seconds, first, counted)
             print(
                 f"slots {slots}: {label}: {tokens / seconds:.1f} tok/s, {seconds:.1f} s, first result "
-                f"{first:.1f} s, load {os.getloadavg()[0]:.1f}, peak RSS {peak_rss_gib():.2f} GiB",
+                f"{first:.1f} s, load {os.getloadavg()[0]:.1f}, peak RSS {peak_rss_gib():.2f} GiB"
+                + "".join(f", {key.replace('_', ' ')} {value}" for key, value in counted.items()),
                 flush=True,
             )
         static_rate = measured["jaxspec static batches"][0] / measured["jaxspec static batches"][1]
         peer_rate = (
             measured["transformers batched"][0] / measured["transformers batched"][1] if peer else None
         )
-        for label, (tokens, seconds, first) in measured.items():
+        for label, (tokens, seconds, first, counted) in measured.items():
             rate = tokens / seconds
             vs_peer = [f"{rate / peer_rate:.2f}x"] if peer_rate else []
             rows.append([str(slots), label, f"{rate:.1f}", f"{rate / static_rate:.2f}x", *vs_peer,
                          f"{seconds:.1f}", f"{first:.1f}", str(tokens)])  # fmt: skip
-            results.append({"slots": slots, "engine": label, "tokens": tokens, "seconds": seconds,
+            results.append({"slots": slots, "engine": label, "tokens": tokens, "seconds": seconds, **counted,
                             "first_result_s": first, "tokens_per_s": rate})  # fmt: skip
     header = ["slots / batch", "engine", "tok/s", "vs static", *(["vs transformers"] if peer else []),
               "total s", "first result s", "tokens"]  # fmt: skip

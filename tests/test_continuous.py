@@ -18,6 +18,7 @@ from jaxspec.decoding.continuous import (
     prefill_widths,
     prepare_continuous,
     run_continuous,
+    shared_prefix_length,
 )
 from jaxspec.decoding.generate import check_requests, padded_requests
 from jaxspec.errors import InputError
@@ -119,6 +120,48 @@ def test_one_compiled_program_serves_every_call(tiny):
         state = run_continuous(tiny.graphdef, tiny.params, bank, state, jnp.int32(5), **kwargs)
     assert run_continuous._cache_size() == before
     assert [int(c) for c in state.results.count] == [len(c.token_ids) for c in alone(tiny)]
+
+
+# Every prompt behind the same 12-token "system turn" (one of them is that turn + 1 token): an admit
+# copies the turn's keys/values, prefilled once, and prefills only the rest of each prompt.
+SYSTEM = list(range(180, 192))
+PREFIXED = [SYSTEM + prompt for prompt in PROMPTS]
+
+
+def test_admits_after_a_shared_prefix_equal_each_request_alone(tiny):
+    """Greedy and sampled rows (temperature 0.9, top-k 5) through 3 refilled slots with the shared
+    prefix copied at each admit: each request gets the tokens it gets alone (`jaxspec.generate`
+    prefills its whole prompt), and the same as with sharing off."""
+    assert shared_prefix_length(PREFIXED) == len(SYSTEM)
+    assert shared_prefix_length(PREFIXED, share_prefix=False) == 0 and shared_prefix_length(PROMPTS) == 0
+    sampling = [SamplingParams(temperature=0.9, top_k=5) if i % 2 else SamplingParams() for i in range(10)]
+    seeds, ids = list(range(40, 50)), list(range(900, 910))
+    kwargs = dict(max_new_tokens=BUDGETS, sampling=sampling, seed=seeds, request_ids=ids)
+    together = generate_continuous(tiny, PREFIXED, slots=3, admit_rows=2, steps_per_call=6, **kwargs)
+    unshared = generate_continuous(tiny, PREFIXED, slots=3, admit_rows=2, share_prefix=False, **kwargs)
+    for i, prompt in enumerate(PREFIXED):
+        (a,) = jaxspec.generate(
+            tiny,
+            [prompt],
+            max_new_tokens=BUDGETS[i],
+            sampling=sampling[i],
+            seed=seeds[i],
+            request_ids=[ids[i]],
+        )
+        assert together[i].token_ids == a.token_ids, f"request {i}"
+        assert together[i].finish_reason == a.finish_reason
+        assert unshared[i].token_ids == a.token_ids, f"request {i}, sharing off"
+    assert [c.token_ids for c in together] != [
+        c.token_ids for c in generate_continuous(tiny, PREFIXED, BUDGETS)
+    ]
+    # The admits ran fewer prompt positions through the target (suffixes of 1-20 tokens, not prompts of
+    # 13-32); the decode steps are the same.
+    ran = {
+        key: max(c.stats[f"batch_{key}"] for c in together) for key in ("prefill_positions", "decode_steps")
+    }
+    unshared_ran = {key: max(c.stats[f"batch_{key}"] for c in unshared) for key in ran}
+    assert ran["prefill_positions"] < unshared_ran["prefill_positions"]
+    assert ran["decode_steps"] == unshared_ran["decode_steps"]
 
 
 def test_bad_continuous_input_names_the_problem(tiny):
@@ -304,6 +347,21 @@ def test_every_drafter_in_refilled_slots_equals_each_request_alone(confident, na
         for c in greedy:
             full_rounds = (len(c.token_ids) - 1) // (spec.num_speculative_tokens + 1)
             assert min(c.stats["accepted_by_depth"]) >= full_rounds
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3-chain", "eagle-tree", "mtp-chain"])
+def test_drafters_after_a_shared_prefix_equal_each_request_alone(confident, name):
+    """Speculating with the shared prefix copied at admits: the drafters that read the prompt's hidden
+    states (EAGLE-1) or captured layers (EAGLE-3), the prompt's tokens (n-gram, the draft model's own
+    prefill) or per-module caches (MTP) get the same tokens, rounds and acceptance per request as one
+    static batch (each row = the request alone) that prefills whole prompts; greedy and sampled."""
+    spec = NGRAM if name == "ngram" else DRAFTERS[name]
+    prompts = [SYSTEM + prompt for prompt in SPEC_PROMPTS]
+    for sampled in (False, True):
+        kwargs = dict(max_new_tokens=SPEC_BUDGETS, spec=spec, **sampled_kwargs(sampled))
+        reference = jaxspec.generate(confident, prompts, **kwargs)
+        together = generate_continuous(confident, prompts, slots=3, admit_rows=2, steps_per_call=5, **kwargs)
+        assert_same_as_alone(together, reference, f"{name} {'sampled' if sampled else 'greedy'}")
 
 
 @pytest.mark.parametrize("modules", [None, 2], ids=["head-cache", "mtp-per-module-cache"])

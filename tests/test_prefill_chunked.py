@@ -12,7 +12,13 @@ import pytest
 import jaxspec
 from jaxspec.bench.step_costs import single_request
 from jaxspec.config import SamplingParams
-from jaxspec.decoding.prefill import PREFILL_CHUNK, prefill, prefill_chunk_size
+from jaxspec.decoding.prefill import (
+    PREFILL_CHUNK,
+    longest_shared_prefix,
+    prefill,
+    prefill_chunk_size,
+    prefill_shared_prefix,
+)
 from tests.tiny_models import save_tiny
 
 
@@ -23,7 +29,7 @@ def tiny(tmp_path_factory):
     return jaxspec.load(str(path))
 
 
-def _prefill(model, prompt, max_len, attention, chunk):
+def _prefill(model, prompt, max_len, attention, chunk, prefix=None):
     requests = single_request(prompt, 8, SamplingParams())
     run = jax.jit(
         functools.partial(
@@ -36,7 +42,7 @@ def _prefill(model, prompt, max_len, attention, chunk):
             chunk=chunk,
         ),  # fmt: skip
     )
-    return run(params=model.params, requests=requests)
+    return run(params=model.params, requests=requests, prefix=prefix)
 
 
 def _assert_same_prefill(got, want, prompt_len: int, atol: float) -> None:
@@ -85,3 +91,33 @@ def test_prefill_2048_tokens_through_the_pallas_kernel_matches_reference(tiny):
     got = _prefill(tiny, prompt, 4096, "pallas", None)
     _assert_same_prefill(got, want, prompt_len, atol=1e-4)
     assert jnp.all(jnp.isfinite(got.hidden))
+
+
+def test_longest_shared_prefix_leaves_every_prompt_a_token_to_prefill():
+    assert longest_shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 3, 4, 7]]) == 3
+    assert longest_shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter prompt keeps its last token
+    assert longest_shared_prefix([[5, 6], [7, 6]]) == 0
+    assert longest_shared_prefix([[4, 4, 4, 4]]) == 3
+
+
+@pytest.mark.parametrize(
+    "attention, chunk", [("reference", None), ("reference", 5), ("pallas", 16)],
+    ids=["one-forward", "chunks-of-5", "pallas-interpret"],
+)  # fmt: skip
+def test_prefill_after_a_shared_prefix_equals_a_full_prefill(tiny, attention, chunk):
+    """A prefix of 11 tokens prefilled once (`prefill_shared_prefix`) and copied into the row, then the
+    other 38 prompt positions through the target (in one forward, in chunks that start off the chunk
+    grid, through the Pallas kernel): the same cache, hidden states, captured layer and first token as
+    prefilling the whole prompt."""
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, tiny.config.vocab_size, 49)]
+    shared = 11
+    prefix = jax.jit(
+        prefill_shared_prefix, static_argnames=("graphdef", "config", "attention", "capture_layers")
+    )(
+        tiny.graphdef, tiny.params, config=tiny.config, tokens=jnp.asarray(prompt[:shared], jnp.int32),
+        attention=attention, capture_layers=(0,),
+    )  # fmt: skip
+    assert prefix.length == shared and prefix.hidden.shape[:2] == (1, shared)
+    want = _prefill(tiny, prompt, 128, "reference", None)
+    got = _prefill(tiny, prompt, 128, attention, chunk, prefix=prefix)
+    _assert_same_prefill(got, want, len(prompt), atol=1e-4 if attention == "pallas" else 2e-5)

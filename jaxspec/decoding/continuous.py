@@ -25,6 +25,12 @@ into the slot: the slot's r-th round draws the keys of round r of (seed, request
 r-th round alone does. An admit writes whole rows of the drafter state (the draft model's KV cache, a
 head's own cache and pending features, MTP's per-module caches along their batch axis), so nothing of a
 slot's previous request survives in it.
+
+When every prompt of the run starts with the same tokens (a chat template's system turn: 24 of the dev
+prompts' ~84 tokens with SmolLM2's template), that prefix is prefilled once before the loop
+(`SharedPrefix`) and an admit copies its keys/values into the slots and prefills only the rest of each
+prompt (`prefill(..., prefix=...)`), the way vLLM's and SGLang's prefix caches serve a shared system
+prompt. A request's tokens are the same either way (`tests/test_continuous.py`).
 """
 
 from __future__ import annotations
@@ -52,7 +58,13 @@ from jaxspec.decoding.generate import (
     padded_requests,
 )
 from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, first_output
-from jaxspec.decoding.prefill import Requests, prefill
+from jaxspec.decoding.prefill import (
+    Requests,
+    SharedPrefix,
+    longest_shared_prefix,
+    prefill,
+    prefill_shared_prefix,
+)
 from jaxspec.decoding.speculative import DraftRows, SpecState, spec_buffer_sizes, speculative_round
 from jaxspec.drafters.make import make_drafter
 from jaxspec.drafters.protocol import Drafter
@@ -76,7 +88,9 @@ class ContinuousState:
     index of the request in each slot, -1 when free; params: the request in each slot (a bank row);
     next_request: scalar, bank index of the next request to admit; results: the bank's output rows
     [N, capacity] (done = finished and written); iterations: scalar, loop iterations so far (admits +
-    decode steps); decode_steps: scalar, decode steps (speculative rounds) so far.
+    decode steps); decode_steps: scalar, decode steps (speculative rounds) so far; prefill_positions:
+    scalar, prompt positions the admits ran through the target so far (admit rows x prefill width,
+    padding included, a shared prefix not).
 
     Speculating (None otherwise): draft: the slots' `DraftRows` (history [B, P + capacity], drafter
     state, rounds, accepted_by_depth [B, D], round index), reset for a slot when a request is admitted
@@ -93,6 +107,7 @@ class ContinuousState:
     results: OutputBuffer
     iterations: jax.Array
     decode_steps: jax.Array
+    prefill_positions: jax.Array
     draft: DraftRows | None = None
     result_rounds: jax.Array | None = None
     result_accepted_by_depth: jax.Array | None = None
@@ -138,6 +153,7 @@ def init_state(
         results=OutputBuffer.empty(n, capacity),
         iterations=jnp.int32(0),
         decode_steps=jnp.int32(0),
+        prefill_positions=jnp.int32(0),
         draft=draft,
         result_rounds=result_rounds,
         result_accepted_by_depth=result_by_depth,
@@ -190,6 +206,16 @@ def prefill_widths(prompt_len: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
+MIN_SHARED_PREFIX = 8  # shorter shared prefixes are prefilled with each prompt (not worth a program)
+
+
+def shared_prefix_length(token_lists: Sequence[Sequence[int]], share_prefix: bool = True) -> int:
+    """Tokens of the prefix an admit copies instead of prefilling (`longest_shared_prefix`), or 0 when
+    sharing is off or the prefix is shorter than MIN_SHARED_PREFIX."""
+    length = longest_shared_prefix(token_lists) if share_prefix else 0
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
 def admit_width(prompt_length: int, prompt_len: int) -> int:
     """The smallest of `prefill_widths(prompt_len)` that holds a prompt of prompt_length tokens."""
     return next(w for w in prefill_widths(prompt_len) if w >= prompt_length)
@@ -233,15 +259,18 @@ def run_continuous(
     drafter: Drafter | None = None,
     spec: SpecConfig | None = None,
     draft_params: Any = (),
+    prefix: SharedPrefix | None = None,
 ) -> ContinuousState:
     """Run the continuous-batching loop until every request is finished or `max_iterations` more
     iterations (admits + decode steps) have run; returns the state to pass back in (donated).
 
     bank: every request of the run ([N, P] prompts, [N] parameters). state: from `init_state` or the
-    previous call. admit_rows: requests prefilled together in one admit (<= slots). drafter, spec,
-    draft_params: speculate (one `speculative_round` per decode step; the state from `init_state` with
-    the same drafter); None = autoregressive. The drafter's state must be per row (leaves [B, ...]): an
-    admit replaces the admitted slots' rows with `drafter.init` of their own prefill.
+    previous call. admit_rows: requests prefilled together in one admit (<= slots). prefix: the L
+    tokens every bank prompt starts with, prefilled (`SharedPrefix`, with the drafter's capture layers;
+    every prompt longer than L); None: prefill whole prompts. drafter, spec, draft_params: speculate
+    (one `speculative_round` per decode step; the state from `init_state` with the same drafter);
+    None = autoregressive. The drafter's state must be per row (leaves [B, ...]): an admit replaces
+    the admitted slots' rows with `drafter.init` of their own prefill.
     """
     n = bank.prompt_tokens.shape[0]
     slots = state.pending.shape[0]
@@ -252,6 +281,7 @@ def run_continuous(
     one_node_mask = jnp.ones((slots, 1, 1), dtype=bool)
     stop_at = state.iterations + max_iterations
     capture = drafter.capture_layers if drafter is not None else ()
+    shared = 0 if prefix is None else prefix.length
     if (drafter is None) != (spec is None) or (drafter is None) != (state.draft is None):
         raise ValueError("run_continuous: give drafter and spec together, with a state made for the drafter")
 
@@ -263,18 +293,21 @@ def run_continuous(
         target = jnp.where(valid, jnp.nonzero(free, size=rows, fill_value=slots)[0], slots)
         request = jnp.minimum(state.next_request + index, n - 1)
         admitted = jax.tree.map(lambda x: x[request], bank)
-        # Prefill at the smallest length bucket that holds the admitted prompts (as `generate` pads
-        # them), not at the bank's longest prompt: padding would cost as much as real tokens.
-        needed = jnp.max(jnp.where(valid, admitted.prompt_lengths, 1))
-        widths = prefill_widths(bank.prompt_tokens.shape[1])
+        # Prefill at the smallest width that holds the admitted prompts past the shared prefix, not at
+        # the bank's longest prompt: padding would cost as much as real tokens.
+        needed = jnp.max(jnp.where(valid, admitted.prompt_lengths - shared, 1))
+        widths = prefill_widths(bank.prompt_tokens.shape[1] - shared)
         branch = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
+        run_widths = [min(w, bank.prompt_tokens.shape[1] - shared) for w in widths]  # positions run
 
         def prefill_at(width: int):
             def run(admitted: Requests) -> tuple[KVCache, jax.Array, Any]:
-                narrow = dataclasses.replace(admitted, prompt_tokens=admitted.prompt_tokens[:, :width])
+                whole = admitted.prompt_tokens[:, : shared + width]
+                narrow = dataclasses.replace(admitted, prompt_tokens=whole)
                 pre = prefill(
-                    graphdef, params, config, narrow, max_len, attention=attention, capture_layers=capture
-                )
+                    graphdef, params, config, narrow, max_len, attention=attention, capture_layers=capture,
+                    prefix=prefix,
+                )  # fmt: skip
                 if drafter is None:
                     return pre.cache, pre.first_token, ()
                 return pre.cache, pre.first_token, drafter.init(draft_params, params, pre, narrow, max_len)
@@ -293,6 +326,7 @@ def run_continuous(
             slot_request=_set_rows(state.slot_request, target, request),
             params=_set_rows(state.params, target, admitted),
             next_request=state.next_request + take,
+            prefill_positions=state.prefill_positions + rows * jnp.asarray(run_widths, jnp.int32)[branch],
         )
         if drafter is None:
             return admitted_state
@@ -354,11 +388,13 @@ def prepare_continuous(
     slots: int,
     admit_rows: int | None,
     spec: SpecConfig | None = None,
+    share_prefix: bool = True,
 ) -> tuple[ContinuousState, Callable[[ContinuousState, int], ContinuousState]]:
     """(initial state, run(state, max_iterations) -> state) for the checked requests, in bank order.
 
     spec: a checked SpecConfig (`check_spec`), or None / method None for autoregressive decoding.
     Speculating, the output rows and caches get the speculative loop's room (`spec_buffer_sizes`).
+    share_prefix: prefill the prompts' shared prefix once (`shared_prefix_length`) and copy it at admits.
     """
     n = len(checked.token_lists)
     prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
@@ -380,26 +416,39 @@ def prepare_continuous(
         model.config, bank, slots, max_len, capacity, model.dtype,
         drafter=drafter, drafter_state=drafter_state,
     )  # fmt: skip
+    shared = shared_prefix_length(checked.token_lists, share_prefix)
+    capture = drafter.capture_layers if drafter is not None else ()
+    prefix = None
+    if shared:
+        prefix = _jit_shared_prefix(
+            model.graphdef, model.params, config=model.config, attention=attention, capture_layers=capture,
+            tokens=jnp.asarray(checked.token_lists[0][:shared], jnp.int32),
+        )  # fmt: skip
 
     def run(state: ContinuousState, max_iterations: int) -> ContinuousState:
         return run_continuous(
             model.graphdef, model.params, bank, state, jnp.int32(max_iterations), config=model.config,
             admit_rows=admit, eos_ids=model.eos_token_ids, attention=attention, drafter=drafter, spec=spec,
-            draft_params=draft_params,
+            draft_params=draft_params, prefix=prefix,
         )  # fmt: skip
 
     return state, run
 
 
+_jit_shared_prefix = jax.jit(
+    prefill_shared_prefix, static_argnames=("graphdef", "config", "attention", "capture_layers")
+)
+
+
 def compile_continuous(
     model: Model, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int], *, slots: int = 64,
-    admit_rows: int | None = None, spec: SpecConfig | dict | None = None,
+    admit_rows: int | None = None, spec: SpecConfig | dict | None = None, share_prefix: bool = True,
 ) -> None:  # fmt: skip
     """Compile the program `generate_continuous` runs for these requests without generating (for
     benchmarks that exclude compilation)."""
     spec = check_spec(model, spec)
     checked = check_requests(model, prompts, max_new_tokens, None, 0, None)
-    state, run = prepare_continuous(model, checked, slots, admit_rows, spec)
+    state, run = prepare_continuous(model, checked, slots, admit_rows, spec, share_prefix)
     jax.block_until_ready(run(state, 0))
 
 
@@ -416,6 +465,7 @@ def generate_continuous(
     steps_per_call: int = 64,
     on_finished: Callable[[list[tuple[int, Completion]]], None] | None = None,
     spec: SpecConfig | dict | None = None,
+    share_prefix: bool = True,
 ) -> list[Completion]:
     """`jaxspec.generate` for many requests through `slots` continuously refilled slots; the same tokens
     per request as `jaxspec.generate` gives it alone with the same spec (greedy and sampled).
@@ -429,10 +479,14 @@ def generate_continuous(
         (default slots // 8, at least 1).
       steps_per_call: loop iterations per compiled call; between calls the host collects the requests
         finished so far and passes them to `on_finished` as (prompt index, Completion) pairs.
+      share_prefix: when every prompt starts with the same >= MIN_SHARED_PREFIX tokens, prefill them
+        once and copy their keys/values at each admit (the same tokens; False: prefill whole prompts).
     Returns:
       one Completion per prompt, in order. stats["batch_time_s"] is the time from the start to the
-      end of the call that finished the request; speculating, stats["rounds"] and
-      stats["accepted_by_depth"] are the request's own, as `jaxspec.generate` reports them.
+      end of the call that finished the request, stats["batch_decode_steps"] and
+      stats["batch_prefill_positions"] the run's decode steps and prefilled prompt positions by then;
+      speculating, stats["rounds"] and stats["accepted_by_depth"] are the request's own, as
+      `jaxspec.generate` reports them.
     """
     if slots < 1 or steps_per_call < 1:
         raise InputError(
@@ -447,14 +501,19 @@ def generate_continuous(
     # few slots idle while the longest finish), and by prefill width within a budget, so requests
     # admitted together share a prefill width. The order changes no request's tokens.
     prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
+    shared = shared_prefix_length(checked.token_lists, share_prefix)
     order = sorted(
         range(n),
-        key=lambda i: (-checked.max_new[i], admit_width(len(checked.token_lists[i]), prompt_len), i),
+        key=lambda i: (
+            -checked.max_new[i],
+            admit_width(len(checked.token_lists[i]) - shared, prompt_len - shared),
+            i,
+        ),
     )
     checked = CheckedRequests(
         *([getattr(checked, f.name)[i] for i in order] for f in dataclasses.fields(CheckedRequests))
     )
-    state, run = prepare_continuous(model, checked, slots, admit_rows, spec)
+    state, run = prepare_continuous(model, checked, slots, admit_rows, spec, share_prefix)
     completions: list[Completion | None] = [None] * n  # in bank order
     start = time.perf_counter()
     emitted = 0
@@ -474,7 +533,11 @@ def generate_continuous(
         elapsed = time.perf_counter() - start
         emitted += len(new)
         finished_tokens = sum(int(counts[i]) for i in range(n) if done[i])
-        stats = {"batch_time_s": elapsed, "batch_tokens_per_s": finished_tokens / elapsed}
+        steps, positions = jax.device_get((state.decode_steps, state.prefill_positions))
+        stats = {
+            "batch_time_s": elapsed, "batch_tokens_per_s": finished_tokens / elapsed,
+            "batch_decode_steps": int(steps), "batch_prefill_positions": int(positions),
+        }  # fmt: skip
         batch = []
         for i in new:
             own = stats if by_depth is None else {**stats, "accepted_by_depth": by_depth[i].tolist()}

@@ -13,11 +13,17 @@ call (prefix of other tokens plus a causal chunk), which a from-scratch causal k
 The cost is re-reading the prefix once per chunk: ~P^2 / (2C) K/V positions per layer: at P = 32k for
 Llama-3-8B ~550 GB, ~0.1 s of H200 bandwidth, against ~0.85 s of weight streaming for the 256 chunks.
 The jnp reference path (the CPU default) keeps one forward over the whole prompt.
+
+A prefix that every prompt of a run shares (a chat template's system turn) can be prefilled once
+(`prefill_shared_prefix`) and handed to `prefill`: its keys/values are copied into each row and only
+the rest of each prompt runs through the target, as vLLM's and SGLang's prefix caches do. The result is
+the one a full prefill gives (the prefix's keys/values and hidden states depend on the prefix alone).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +72,57 @@ class PrefillResult:
     captured: tuple[jax.Array, ...]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SharedPrefix:
+    """A prompt prefix of L tokens that every prompt of a run starts with, prefilled once.
+
+    cache: the prefix's keys/values, a `KVCache` of one row and max_len = L (lengths [1] = L);
+    hidden [1, L, d]: its final hidden states; captured: chosen layers' outputs, each [1, L, d].
+    """
+
+    cache: KVCache
+    hidden: jax.Array
+    captured: tuple[jax.Array, ...]
+
+    @property
+    def length(self) -> int:
+        return self.cache.max_len
+
+
+def longest_shared_prefix(token_lists: Sequence[Sequence[int]]) -> int:
+    """Tokens every prompt starts with, at most the shortest prompt's length - 1 (each prompt keeps at
+    least its last token to prefill, whose logits give the first new token)."""
+    shortest = min(len(t) for t in token_lists)
+    first = token_lists[0]
+    length = 0
+    while length < shortest - 1 and all(t[length] == first[length] for t in token_lists):
+        length += 1
+    return length
+
+
+def prefill_shared_prefix(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    config: ModelConfig,
+    tokens: jax.Array,
+    *,
+    attention: str = "auto",
+    capture_layers: tuple[int, ...] = (),
+) -> SharedPrefix:
+    """tokens [L] (the shared prefix) through the target once: its keys/values, hidden states and
+    captured layers, for `prefill(..., prefix=...)` to start every row from."""
+    tokens = tokens[None, :]
+    cache = jax.lax.optimization_barrier(KVCache.zeros(config, 1, tokens.shape[1], params_dtype(params)))
+    chunk = prefill_chunk_size(attention, tokens.shape[1])
+    hidden, captured, cache = _prompt_forward(
+        graphdef, params, tokens, cache, 0, chunk, attention=attention, capture_layers=capture_layers,
+        mesh=None,
+    )  # fmt: skip
+    cache = dataclasses.replace(cache, lengths=jnp.full((1,), tokens.shape[1], jnp.int32))
+    return SharedPrefix(cache=cache, hidden=hidden, captured=captured)
+
+
 def prefill(
     graphdef: nnx.GraphDef,
     params: nnx.State,
@@ -77,12 +134,16 @@ def prefill(
     capture_layers: tuple[int, ...] = (),
     mesh: Mesh | None = None,
     chunk: int | None = None,
+    prefix: SharedPrefix | None = None,
 ) -> PrefillResult:
     """Prefill the prompts into a fresh cache of max_len slots and sample the first new token.
 
     The first token is drawn with the key of round 0, purpose PURPOSE_BONUS, from the processed
     target distribution at each row's last prompt position. With a mesh the cache is created sharded
     (`jaxspec.sharding.cache_shardings`). chunk: prompt tokens per forward (None: `prefill_chunk_size`).
+    prefix: every prompt starts with these L tokens (`prefill_shared_prefix`; each prompt longer than
+    L): their keys/values are copied into every row and only prompt positions [L, P) run through the
+    target; hidden and captured still cover all P positions.
     """
     tokens = requests.prompt_tokens
     batch, p = tokens.shape
@@ -90,30 +151,71 @@ def prefill(
     # The barrier keeps XLA from constant-folding attention over the all-zero cache (minutes of
     # compile time for a 30-layer model); it is an identity at run time.
     cache = constrain_cache(jax.lax.optimization_barrier(KVCache.zeros(config, batch, max_len, dtype)), mesh)
-    chunk = prefill_chunk_size(attention, p, chunk)
-    if chunk >= p:
-        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (batch, p))
-        hidden, captured, cache = model_forward(
-            graphdef, params, tokens, positions, cache, causal_mask(batch, p),
-            attention=attention, capture_layers=capture_layers, mesh=mesh,
-        )  # fmt: skip
-    else:
-        hidden, captured, cache = _chunked_forward(
-            graphdef,
-            params,
-            tokens,
-            cache,
-            chunk,
-            attention=attention,
-            capture_layers=capture_layers,
-            mesh=mesh,
-        )
+    offset = 0 if prefix is None else prefix.length
+    if prefix is not None:
+        cache = constrain_cache(_with_prefix(cache, prefix), mesh)
+    chunk = prefill_chunk_size(attention, p - offset, chunk)
+    hidden, captured, cache = _prompt_forward(
+        graphdef, params, tokens[:, offset:], cache, offset, chunk, attention=attention,
+        capture_layers=capture_layers, mesh=mesh,
+    )  # fmt: skip
+    if prefix is not None:  # the prefix positions' states, the same for every row
+
+        def whole(shared: jax.Array, rest: jax.Array) -> jax.Array:  # [1, L, d], [B, P - L, d]
+            rows = jnp.broadcast_to(shared, (batch,) + shared.shape[1:]).astype(rest.dtype)
+            return jnp.concatenate([rows, rest], axis=1)
+
+        hidden = whole(prefix.hidden, hidden)
+        captured = tuple(whole(s, c) for s, c in zip(prefix.captured, captured, strict=True))
     logits = lm_logits(graphdef, params, last_valid(hidden, requests.prompt_lengths))
     keys = sampling.derive_key(requests.seeds, requests.request_ids, 0, sampling.PURPOSE_BONUS)
     first = sampling.sample_logits(logits, requests.sampling, keys)
     cache = dataclasses.replace(cache, lengths=requests.prompt_lengths.astype(jnp.int32))
     cache = constrain_cache(cache, mesh)
     return PrefillResult(cache=cache, first_token=first, hidden=hidden, captured=captured)
+
+
+def _with_prefix(cache: KVCache, prefix: SharedPrefix) -> KVCache:
+    """cache [B, ..., max_len, ...] with the prefix's keys/values at positions [0, L) of every row."""
+
+    def put(buffer: jax.Array, shared: jax.Array) -> jax.Array:
+        rows = jnp.broadcast_to(shared, (buffer.shape[0],) + shared.shape[1:]).astype(buffer.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(buffer, rows, 0, axis=2)
+
+    return dataclasses.replace(
+        cache,
+        keys=tuple(put(k, s) for k, s in zip(cache.keys, prefix.cache.keys, strict=True)),
+        values=tuple(put(v, s) for v, s in zip(cache.values, prefix.cache.values, strict=True)),
+    )
+
+
+def _prompt_forward(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    tokens: jax.Array,
+    cache: KVCache,
+    offset: int,
+    chunk: int,
+    *,
+    attention: str,
+    capture_layers: tuple[int, ...],
+    mesh: Mesh | None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
+    """tokens [B, S], prompt positions [offset, offset + S), through the target as a causal chain
+    attending to cache positions [0, offset) (a shared prefix, or nothing); in one forward where
+    chunk >= S, else `chunk` tokens at a time. Returns (hidden [B, S, d], captured, cache)."""
+    batch, s = tokens.shape
+    if chunk < s:
+        return _chunked_forward(
+            graphdef, params, tokens, cache, chunk, attention=attention, capture_layers=capture_layers,
+            mesh=mesh, offset=offset,
+        )  # fmt: skip
+    positions = jnp.broadcast_to(offset + jnp.arange(s, dtype=jnp.int32), (batch, s))
+    start = dataclasses.replace(cache, lengths=jnp.full((batch,), offset, jnp.int32))
+    return model_forward(
+        graphdef, params, tokens, positions, start, causal_mask(batch, s),
+        attention=attention, capture_layers=capture_layers, mesh=mesh,
+    )  # fmt: skip
 
 
 def prefill_chunk_size(attention: str, prompt_len: int, chunk: int | None = None) -> int:
@@ -137,21 +239,24 @@ def _chunked_forward(
     attention: str,
     capture_layers: tuple[int, ...],
     mesh: Mesh | None,
+    offset: int = 0,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], KVCache]:
-    """tokens [B, P] through the target `chunk` tokens at a time (one `lax.scan`, one compiled forward).
+    """tokens [B, P] (prompt positions [offset, offset + P)) through the target `chunk` tokens at a
+    time (one `lax.scan`, one compiled forward).
 
-    Chunk i writes its keys/values at [i * chunk, (i + 1) * chunk) and attends to the slots before it
-    plus itself causally. P is padded with token 0 to a multiple of chunk (after every prompt, so no
-    prompt position sees it); the cache must hold the padded length. Returns (hidden [B, P, d],
-    captured (each [B, P, d]), cache with lengths unchanged), as `model_forward` over the whole prompt.
+    Chunk i writes its keys/values at offset + [i * chunk, (i + 1) * chunk) and attends to the slots
+    before it plus itself causally. P is padded with token 0 to a multiple of chunk (after every prompt,
+    so no prompt position sees it); the cache must hold offset + the padded length. Returns (hidden
+    [B, P, d], captured (each [B, P, d]), cache with lengths unchanged), as `model_forward` over the
+    whole prompt.
     """
     batch, p = tokens.shape
     num_chunks = -(-p // chunk)
     padded = num_chunks * chunk
-    if padded > cache.max_len:
+    if offset + padded > cache.max_len:
         raise ValueError(
-            f"prefill: {p} prompt tokens in chunks of {chunk} need {padded} cache slots, the cache has "
-            f"{cache.max_len}"
+            f"prefill: {p} prompt tokens{f' after {offset}' if offset else ''} in chunks of {chunk} need "
+            f"{offset + padded} cache slots, the cache has {cache.max_len}"
         )
     tokens = jnp.pad(tokens, ((0, 0), (0, padded - p)))
     chunks = tokens.reshape(batch, num_chunks, chunk).transpose(1, 0, 2)  # [num_chunks, B, C]
@@ -168,7 +273,7 @@ def _chunked_forward(
         )  # fmt: skip
         return constrain_cache(cache, mesh), (hidden, captured)
 
-    starts = jnp.arange(num_chunks, dtype=jnp.int32) * chunk
+    starts = offset + jnp.arange(num_chunks, dtype=jnp.int32) * chunk
     cache, (hidden, captured) = jax.lax.scan(step, cache, (chunks, starts))
 
     def unchunk(x: jax.Array) -> jax.Array:  # [num_chunks, B, C, d] -> [B, P, d]
