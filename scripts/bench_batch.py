@@ -21,8 +21,8 @@ the measurements behind `jaxspec.drafters.policy.default_policy("cpu")`. Prints 
 cycle through the dev prompts with max_new_tokens drawn from --mixed-budgets (fixed seed); greedy,
 autoregressive. For each --slots count: jaxspec static batches (`jaxspec.generate` on batches of that
 size, sorted by length bucket as the batch job plans them), jaxspec continuous batching
-(`jaxspec.decoding.continuous.generate_continuous`: the prompts' shared prefix, the chat template's
-system turn, prefilled once), the same prefilling whole prompts (`share_prefix=False`) and, with
+(`jaxspec.decoding.continuous.generate_continuous`, whole prompts prefilled), the same with the prompts'
+shared prefix, the chat template's system turn, prefilled once (`share_prefix=True`) and, with
 --peer, Hugging Face transformers batched `generate` (left padding, same batch size, float32, each
 batch run to its largest budget, tokens past a request's own budget or EOS not counted). Reports total
 tokens/s, total time, time to the first finished request and peak RSS; compilation is excluded (every
@@ -221,7 +221,7 @@ def run_static(model, prompts, budgets, batch_size):
     return tokens, time.perf_counter() - start, first, {}
 
 
-def run_continuous_batching(model, prompts, budgets, slots, share_prefix=True):
+def run_continuous_batching(model, prompts, budgets, slots, share_prefix=False):
     from jaxspec.decoding.continuous import compile_continuous, generate_continuous
 
     compile_continuous(model, prompts, budgets, slots=slots, share_prefix=share_prefix)
@@ -287,8 +287,8 @@ def continuous(args, model, prompts) -> list[dict]:
             ("jaxspec static batches", run_static),
             ("jaxspec continuous", run_continuous_batching),
             (
-                "jaxspec continuous, whole prompts",
-                functools.partial(run_continuous_batching, share_prefix=False),
+                "jaxspec continuous, shared prefix",
+                functools.partial(run_continuous_batching, share_prefix=True),
             ),
         ]
         measured = {}

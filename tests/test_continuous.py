@@ -137,8 +137,10 @@ def test_admits_after_a_shared_prefix_equal_each_request_alone(tiny):
     sampling = [SamplingParams(temperature=0.9, top_k=5) if i % 2 else SamplingParams() for i in range(10)]
     seeds, ids = list(range(40, 50)), list(range(900, 910))
     kwargs = dict(max_new_tokens=BUDGETS, sampling=sampling, seed=seeds, request_ids=ids)
-    together = generate_continuous(tiny, PREFIXED, slots=3, admit_rows=2, steps_per_call=6, **kwargs)
-    unshared = generate_continuous(tiny, PREFIXED, slots=3, admit_rows=2, share_prefix=False, **kwargs)
+    together = generate_continuous(
+        tiny, PREFIXED, slots=3, admit_rows=2, steps_per_call=6, share_prefix=True, **kwargs
+    )
+    unshared = generate_continuous(tiny, PREFIXED, slots=3, admit_rows=2, **kwargs)  # the default
     for i, prompt in enumerate(PREFIXED):
         (a,) = jaxspec.generate(
             tiny,
@@ -360,7 +362,9 @@ def test_drafters_after_a_shared_prefix_equal_each_request_alone(confident, name
     for sampled in (False, True):
         kwargs = dict(max_new_tokens=SPEC_BUDGETS, spec=spec, **sampled_kwargs(sampled))
         reference = jaxspec.generate(confident, prompts, **kwargs)
-        together = generate_continuous(confident, prompts, slots=3, admit_rows=2, steps_per_call=5, **kwargs)
+        together = generate_continuous(
+            confident, prompts, slots=3, admit_rows=2, steps_per_call=5, share_prefix=True, **kwargs
+        )
         assert_same_as_alone(together, reference, f"{name} {'sampled' if sampled else 'greedy'}")
 
 

@@ -26,11 +26,15 @@ r-th round alone does. An admit writes whole rows of the drafter state (the draf
 head's own cache and pending features, MTP's per-module caches along their batch axis), so nothing of a
 slot's previous request survives in it.
 
-When every prompt of the run starts with the same tokens (a chat template's system turn: 24 of the dev
-prompts' ~84 tokens with SmolLM2's template), that prefix is prefilled once before the loop
+With share_prefix=True, when every prompt of the run starts with the same tokens (a chat template's
+system turn: 24 of the dev prompts' ~84 tokens with SmolLM2's template), that prefix is prefilled once
+before the loop
 (`SharedPrefix`) and an admit copies its keys/values into the slots and prefills only the rest of each
 prompt (`prefill(..., prefix=...)`), the way vLLM's and SGLang's prefix caches serve a shared system
-prompt. A request's tokens are the same either way (`tests/test_continuous.py`).
+prompt. A request's tokens are the same either way (`tests/test_continuous.py`). It is off by default:
+on this CPU it ran fewer prompt positions (-11% at 64 slots, -19% at 16 on the dev workload) but no
+faster (README, "Continuous batching"; an admit after the prefix was slower than a whole-prompt admit
+of the same width).
 """
 
 from __future__ import annotations
@@ -388,7 +392,7 @@ def prepare_continuous(
     slots: int,
     admit_rows: int | None,
     spec: SpecConfig | None = None,
-    share_prefix: bool = True,
+    share_prefix: bool = False,
 ) -> tuple[ContinuousState, Callable[[ContinuousState, int], ContinuousState]]:
     """(initial state, run(state, max_iterations) -> state) for the checked requests, in bank order.
 
@@ -442,7 +446,7 @@ _jit_shared_prefix = jax.jit(
 
 def compile_continuous(
     model: Model, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int], *, slots: int = 64,
-    admit_rows: int | None = None, spec: SpecConfig | dict | None = None, share_prefix: bool = True,
+    admit_rows: int | None = None, spec: SpecConfig | dict | None = None, share_prefix: bool = False,
 ) -> None:  # fmt: skip
     """Compile the program `generate_continuous` runs for these requests without generating (for
     benchmarks that exclude compilation)."""
@@ -465,7 +469,7 @@ def generate_continuous(
     steps_per_call: int = 64,
     on_finished: Callable[[list[tuple[int, Completion]]], None] | None = None,
     spec: SpecConfig | dict | None = None,
-    share_prefix: bool = True,
+    share_prefix: bool = False,
 ) -> list[Completion]:
     """`jaxspec.generate` for many requests through `slots` continuously refilled slots; the same tokens
     per request as `jaxspec.generate` gives it alone with the same spec (greedy and sampled).
@@ -480,7 +484,8 @@ def generate_continuous(
       steps_per_call: loop iterations per compiled call; between calls the host collects the requests
         finished so far and passes them to `on_finished` as (prompt index, Completion) pairs.
       share_prefix: when every prompt starts with the same >= MIN_SHARED_PREFIX tokens, prefill them
-        once and copy their keys/values at each admit (the same tokens; False: prefill whole prompts).
+        once and copy their keys/values at each admit (the same tokens; default False: prefill whole
+        prompts, which measured as fast or faster on CPU).
     Returns:
       one Completion per prompt, in order. stats["batch_time_s"] is the time from the start to the
       end of the call that finished the request, stats["batch_decode_steps"] and
