@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.model.forward import prompt_attention
 from jaxspec.model.live_attention import live_attention
 from pallas_kernels.reference import tree_attention_reference
 
@@ -57,3 +58,25 @@ def test_blocks_past_the_longest_row_are_never_read():
     inside = [c.at[:, :, 120:].set(jnp.nan) for c in (k_cache, v_cache)]
     got = live_attention(q, *inside, lengths, k_tree, v_tree, mask, scale=scale, block=128)
     assert not np.isfinite(np.asarray(got)).all()
+
+
+@pytest.mark.parametrize("prefix_len", [0, 1, 24])
+def test_prompt_attention_reads_only_the_rows_common_prefix(prefix_len):
+    """A prompt forward's attention (every row at cache position prefix_len, a causal chain of new
+    tokens): the full-cache reference's values, with the padded cache past the prefix never read; one
+    position fewer than the prefix gives other values (the slice is not vacuous)."""
+    n, s = 12, 96
+    q, k_cache, v_cache, _, k_tree, v_tree, _ = operands(4, 6, 2, n, s, 16, [0] * 4, seed=2)
+    lengths = jnp.full((4,), prefix_len, jnp.int32)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (4, n, n))
+    scale = 16**-0.5
+    want = tree_attention_reference(q, k_cache, v_cache, lengths, k_tree, v_tree, causal, scale=scale)
+    poisoned = [c.at[:, :, prefix_len:].set(jnp.nan) for c in (k_cache, v_cache)]
+    attend = jax.jit(prompt_attention(prefix_len), static_argnames="scale")
+    got = attend(q, *poisoned, lengths, k_tree, v_tree, causal, scale=scale)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
+    if prefix_len:
+        short = prompt_attention(prefix_len - 1)(
+            q, k_cache, v_cache, lengths, k_tree, v_tree, causal, scale=scale
+        )
+        assert not np.allclose(np.asarray(short), np.asarray(want), rtol=1e-3, atol=1e-4)

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from jaxspec import sampling
 from jaxspec.model.config import ModelConfig
-from jaxspec.model.forward import causal_mask, last_valid, lm_logits, model_forward
+from jaxspec.model.forward import causal_mask, last_valid, lm_logits, model_forward, prompt_attention
 from jaxspec.model.kv_cache import KVCache
 from jaxspec.sharding import constrain_cache
 from pallas_kernels.dispatch import resolve_impl
@@ -212,9 +212,12 @@ def _prompt_forward(
         )  # fmt: skip
     positions = jnp.broadcast_to(offset + jnp.arange(s, dtype=jnp.int32), (batch, s))
     start = dataclasses.replace(cache, lengths=jnp.full((batch,), offset, jnp.int32))
+    # The Pallas kernels stop at each row's length; the reference would score every padded slot.
+    reference = resolve_impl(attention, jax.default_backend()) == "reference"
     return model_forward(
         graphdef, params, tokens, positions, start, causal_mask(batch, s),
         attention=attention, capture_layers=capture_layers, mesh=mesh,
+        attend=prompt_attention(offset) if reference else None,
     )  # fmt: skip
 
 
