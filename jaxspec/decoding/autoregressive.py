@@ -16,6 +16,7 @@ from jaxspec.decoding.prefill import Requests, prefill
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
 from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.live_attention import live_attention_for
 from jaxspec.sharding import constrain_cache
 
 
@@ -71,7 +72,7 @@ def generate_autoregressive(
         positions = state.cache.lengths[:, None]
         hidden, _, cache = model_forward(
             graphdef, params, state.pending[:, None], positions, state.cache, one_node_mask,
-            attention=attention, mesh=mesh,
+            attention=attention, mesh=mesh, attend=live_attention_for(attention),
         )  # fmt: skip
         cache = constrain_cache(dataclasses.replace(cache, lengths=cache.lengths + 1), mesh)
         keys = sampling.derive_key(requests.seeds, requests.request_ids, state.step, sampling.PURPOSE_BONUS)

@@ -77,9 +77,8 @@ from jaxspec.model.buckets import length_bucket
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
 from jaxspec.model.kv_cache import HeadCache, KVCache
-from jaxspec.model.live_attention import live_attention
+from jaxspec.model.live_attention import live_attention_for
 from jaxspec.model.target import Model
-from pallas_kernels.dispatch import resolve_impl
 
 
 @jax.tree_util.register_dataclass
@@ -339,15 +338,15 @@ def run_continuous(
         fresh = DraftRows.after_prefill(admitted, first_token, width, drafter_state, drafter.max_depth)
         return dataclasses.replace(admitted_state, draft=_set_rows(state.draft, target, fresh))
 
-    # Where attention would read the whole padded cache (the jnp reference), read only the blocks up
-    # to the longest live request; the Pallas kernels already stop at each row's length.
-    live = resolve_impl(attention, jax.default_backend()) == "reference"
+    # Where attention would read the whole padded cache (the jnp reference), read it only up to the
+    # longest live request; the Pallas kernels already stop at each row's length.
+    attend = live_attention_for(attention)
 
     def decode(state: ContinuousState) -> ContinuousState:
         cache = state.cache
         hidden, _, cache = model_forward(
             graphdef, params, state.pending[:, None], cache.lengths[:, None], cache, one_node_mask,
-            attention=attention, attend=live_attention if live else None,
+            attention=attention, attend=attend,
         )  # fmt: skip
         active = state.slot_request >= 0
         cache = dataclasses.replace(cache, lengths=jnp.minimum(cache.lengths + active, max_len - 1))
@@ -366,7 +365,7 @@ def run_continuous(
         # Free slots are done, so the round changes nothing of theirs that an admit does not reset.
         after = speculative_round(
             graphdef, params, draft_params, state.params, SpecState(state.cache, state.out, state.draft),
-            drafter=drafter, spec=spec, eos=eos, attend=live_attention if live else None,
+            drafter=drafter, spec=spec, eos=eos, attend=attend,
         )  # fmt: skip
         return dataclasses.replace(
             state, cache=after.cache, out=after.out, draft=after.draft, decode_steps=state.decode_steps + 1

@@ -23,6 +23,7 @@ from jaxspec.drafters.protocol import Drafter, RoundContext
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
 from jaxspec.model.kv_cache import KVCache, commit_path
+from jaxspec.model.live_attention import live_attention_for
 from jaxspec.sampling.tree import ancestor_mask, gather_nodes, tree_positions
 from jaxspec.sampling.verify import emitted_tokens
 from jaxspec.sharding import constrain_cache, constrain_caches, shard_params
@@ -213,6 +214,7 @@ def speculative_loop(
         return speculative_round(
             graphdef, params, draft_params, requests, s,
             drafter=drafter, spec=spec, eos=eos, mesh=mesh, stream=stream,
+            attend=live_attention_for(spec.attention),
         )  # fmt: skip
 
     state = jax.lax.while_loop(lambda s: ~jnp.all(s.out.done), one_round, state)

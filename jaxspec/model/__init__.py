@@ -8,7 +8,7 @@ kv_cache        KVCache (pytree: per-layer buffers + committed lengths, `commit_
                 path) and HeadCache (a draft head's committed keys/values)
 forward         pure forward functions over (graphdef, params): model_forward, lm_logits, masks, the
                 attention implementation (jnp reference or Pallas kernel, per shard on a mesh)
-live_attention  decode attention reading only the live part of a padded cache (continuous batching)
+live_attention  decode and verify attention reading only the live part of a padded cache (CPU reference)
 buckets         batch / length buckets: similar calls reuse one compiled program
 target          Model: graphdef + params + tokenizer + config, what `jaxspec.load` returns
 deepseek_v3/    DeepSeek-V3-family targets (MLA + mixture of experts)

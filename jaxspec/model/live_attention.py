@@ -2,24 +2,29 @@
 
 A continuous-batching loop pads every slot's cache to the longest prompt bucket plus the largest budget
 (e.g. 385 positions) while most slots hold far fewer tokens; the jnp reference attention
-(`pallas_kernels.reference`) reads, scores and softmaxes all S positions of every row, which made
-attention the largest cost of a 64-row decode step on CPU. Shapes are static inside `lax.while_loop`,
-so the live length cannot be a shape; here the number of key blocks read is a traced scalar instead:
-`ceil(max(lengths) / block)` blocks of `block` keys, folded in with an online softmax (flash-attention
-style: running max, denominator and unnormalised output), after the N new tokens' own keys.
+(`pallas_kernels.reference`) reads, scores and softmaxes all S positions of every row. Shapes are static
+inside `lax.while_loop`, so the live length cannot be a shape; here it picks one of a few static widths
+instead: `lax.switch` over the cache prefixes [0, W) for W = block, 2 * block, ..., S, each branch the
+reference attention itself over that prefix, and the branch taken is the narrowest W >= max(lengths).
 
-The result equals the reference within float32 rounding (the softmax is summed in another order); rows
-whose length is below the batch's longest skip nothing (the block count is per batch, not per row),
-but every key at or past a row's length is masked out exactly. Rows with length 0 (free slots) see only
-their own new tokens.
+The result is the reference's (to float32 rounding: every key at or past a row's length is masked out of
+both, and the keys a narrower branch leaves out are such keys); rows whose length is below the batch's
+longest skip nothing (the width is per batch, not per row). Rows with length 0 (free slots) see only
+their own new tokens. An earlier version folded `ceil(max(lengths) / block)` blocks in a `fori_loop`
+with an online softmax: a little faster with one live block, but slower than the whole-cache reference
+with three, the common case of a long-prompt workload (`scripts/profile_batch_step.py --fill`, README,
+"Continuous batching").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.online_softmax import MASKED_SCORE, normalized, online_softmax_step
+from pallas_kernels.dispatch import resolve_impl
+from pallas_kernels.reference import tree_attention_reference
 
 LIVE_BLOCK = 128
 
@@ -36,46 +41,33 @@ def live_attention(
     scale: float,
     block: int = LIVE_BLOCK,
 ) -> jax.Array:
-    """Tree attention (same contract as `pallas_kernels.tree_attention`) reading ceil(max(lengths) /
-    block) key blocks of the cache instead of all S positions.
+    """Tree attention (same contract as `pallas_kernels.tree_attention`) reading the cache only up to the
+    smallest multiple of `block` (or S) that holds max(lengths), instead of all S positions.
 
     Args:
       q: [B, Hq, N, D]; k_cache, v_cache: [B, Hkv, S, D] (only [0, lengths[b]) is visible);
       lengths: [B] int32; k_tree, v_tree: [B, Hkv, N, D]; tree_mask: [B, N, N] bool.
-      scale: softmax scale. block: keys per block (clipped to S).
+      scale: softmax scale. block: the step between the widths compiled (one switch branch each).
     Returns:
       [B, Hq, N, D] in q's dtype; scores and softmax in float32.
     """
-    b, hq, n, d = q.shape
-    hkv, s = k_cache.shape[1], k_cache.shape[2]
-    group, m_rows = hq // hkv, hq // hkv * n
-    block = min(block, s)
-    f32 = jnp.float32
-    qg = q.reshape(b, hkv, m_rows, d).astype(f32) * scale  # row g * N + i: query head h * G + g, node i
-    fold = jax.vmap(jax.vmap(online_softmax_step))  # over rows and kv heads
-    state = (
-        jnp.full((b, hkv, m_rows, 1), MASKED_SCORE, f32),
-        jnp.zeros((b, hkv, m_rows, 1), f32),
-        jnp.zeros((b, hkv, m_rows, d), f32),
-    )
-    # The new tokens first: every row sees itself (tree_mask's diagonal).
-    visible = jnp.broadcast_to(jnp.tile(tree_mask, (1, group, 1))[:, None], (b, hkv, m_rows, n))
-    scores = jnp.einsum("bhmd,bhkd->bhmk", qg, k_tree.astype(f32))
-    state = fold(scores, visible, v_tree.astype(f32), *state)
+    s = k_cache.shape[2]
+    widths = sorted({min(w, s) for w in range(block, s + block, block)})
+    longest = jnp.minimum(jnp.max(lengths), s)
+    branch = jnp.sum(longest > jnp.asarray(widths[:-1], jnp.int32))  # the narrowest width >= longest
 
-    def fold_block(i, state):
-        nominal = i * block
-        start = jnp.minimum(nominal, s - block)  # the last block may overlap the one before it...
-        keys = jax.lax.dynamic_slice_in_dim(k_cache, start, block, axis=2).astype(f32)
-        values = jax.lax.dynamic_slice_in_dim(v_cache, start, block, axis=2).astype(f32)
-        # Keys as the dot's left operand ([K, D] rows times the G * N queries), as in the reference:
-        # XLA:CPU runs that several times faster than q @ k.T at decode shapes.
-        scores = jnp.einsum("bhkd,bhmd->bhkm", keys, qg).transpose(0, 1, 3, 2)  # [B, Hkv, M, K]
-        position = start + jnp.arange(block)
-        seen = (position >= nominal)[None, :] & (position[None, :] < lengths[:, None])  # ...counted once
-        seen = jnp.broadcast_to(seen[:, None, None, :], scores.shape)
-        return fold(scores, seen, values, *state)
+    def attend_up_to(width: int):
+        def attend() -> jax.Array:
+            k, v = k_cache[:, :, :width], v_cache[:, :, :width]
+            return tree_attention_reference(q, k, v, lengths, k_tree, v_tree, tree_mask, scale=scale)
 
-    live_blocks = (jnp.minimum(jnp.max(lengths), s) + block - 1) // block
-    _, denom, acc = jax.lax.fori_loop(0, live_blocks, fold_block, state)
-    return jax.vmap(jax.vmap(normalized))(acc, denom).reshape(b, hq, n, d).astype(q.dtype)
+        return attend
+
+    return jax.lax.switch(branch, [attend_up_to(w) for w in widths])
+
+
+def live_attention_for(attention: str) -> Callable | None:
+    """The `attend` a decode or verify forward passes to `model_forward` for SpecConfig.attention:
+    `live_attention` where the jnp reference runs (CPU), None (the Pallas kernels, which already stop
+    at each row's length) elsewhere."""
+    return live_attention if resolve_impl(attention, jax.default_backend()) == "reference" else None
