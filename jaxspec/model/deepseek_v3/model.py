@@ -36,7 +36,7 @@ from flax import nnx
 
 from jaxspec.model.deepseek_v3.config import DeepseekV3Config, yarn_mscale
 from jaxspec.model.kv_cache import write_window
-from jaxspec.model.llama import MLP, LlamaModel, Projection, RMSNorm, rows_times
+from jaxspec.model.llama import MLP, LlamaModel, Projection, RMSNorm, project
 
 _MASKED = -1e30
 LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek's RMSNorm default, not rms_norm_eps
@@ -210,7 +210,7 @@ class Router(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, d] -> combine weights [T, E] float32 (zero for experts not chosen)."""
         c = self.config
-        scores = jax.nn.sigmoid(rows_times(self.weight[...].astype(jnp.float32), x, jnp.float32))
+        scores = jax.nn.sigmoid(project(self.weight[...].astype(jnp.float32), x, jnp.float32))
         choice = scores + self.e_score_correction_bias[...].astype(jnp.float32)
         t, e = choice.shape
         grouped = choice.reshape(t, c.n_group, e // c.n_group)
