@@ -6,9 +6,9 @@
 A prefill (and the training feature pass) runs the prompt through the target as one causal forward
 into an empty KV cache of S slots. The jnp reference attention scores every query against all S cache
 slots, masked out because the cache is empty, and then against the prompt itself;
-`jaxspec.model.forward.prompt_attention` reads only the cache positions before the prompt (none, or a
-shared prefix's). Both variants run the same jitted `model_forward` in one process, alternating, with
-the cache built outside the jit; the table gives median seconds per forward and their ratio.
+`jaxspec.model.live_attention.prompt_attention_for` reads only the cache positions before the prompt
+(none, or a shared prefix's). Both variants run the same jitted `model_forward` in one process,
+alternating, with the cache built outside the jit; the table gives median seconds per forward and their ratio.
 
 Default shapes (rows x prompt width x cache slots): a 16-slot continuous-batching admit (2 x 96 x 385),
 a 64-slot one (8 x 96 x 385), a static batch of 16 prompts at the dev bucket (16 x 256 x 385), and a
@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 
 import jaxspec
-from jaxspec.model.forward import causal_mask, model_forward, prompt_attention
+from jaxspec.model.forward import causal_mask, model_forward
 from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.live_attention import cache_prefix_attention
 
 DEFAULT_SHAPES = "2x96x385,8x96x385,16x256x385,8x320x320"
 
@@ -59,7 +60,7 @@ def main() -> None:
 
     variants = {
         "whole cache": jax.jit(lambda t, c: forward(t, c, None)),
-        "prompt only": jax.jit(lambda t, c: forward(t, c, prompt_attention(0))),
+        "prompt only": jax.jit(lambda t, c: forward(t, c, cache_prefix_attention(0))),
     }
     results = []
     print("| rows x width x slots | whole cache s | prompt only s | ratio | max abs diff |")

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.model.forward import prompt_attention
-from jaxspec.model.live_attention import live_attention
+from jaxspec.model.live_attention import cache_prefix_attention, live_attention
 from pallas_kernels.reference import tree_attention_reference
 
 
@@ -61,7 +60,7 @@ def test_blocks_past_the_longest_row_are_never_read():
 
 
 @pytest.mark.parametrize("prefix_len", [0, 1, 24])
-def test_prompt_attention_reads_only_the_rows_common_prefix(prefix_len):
+def test_cache_prefix_attention_reads_only_the_rows_common_prefix(prefix_len):
     """A prompt forward's attention (every row at cache position prefix_len, a causal chain of new
     tokens): the full-cache reference's values, with the padded cache past the prefix never read; one
     position fewer than the prefix gives other values (the slice is not vacuous)."""
@@ -72,11 +71,11 @@ def test_prompt_attention_reads_only_the_rows_common_prefix(prefix_len):
     scale = 16**-0.5
     want = tree_attention_reference(q, k_cache, v_cache, lengths, k_tree, v_tree, causal, scale=scale)
     poisoned = [c.at[:, :, prefix_len:].set(jnp.nan) for c in (k_cache, v_cache)]
-    attend = jax.jit(prompt_attention(prefix_len), static_argnames="scale")
+    attend = jax.jit(cache_prefix_attention(prefix_len), static_argnames="scale")
     got = attend(q, *poisoned, lengths, k_tree, v_tree, causal, scale=scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-6)
     if prefix_len:
-        short = prompt_attention(prefix_len - 1)(
+        short = cache_prefix_attention(prefix_len - 1)(
             q, k_cache, v_cache, lengths, k_tree, v_tree, causal, scale=scale
         )
         assert not np.allclose(np.asarray(short), np.asarray(want), rtol=1e-3, atol=1e-4)

@@ -32,10 +32,10 @@ from jax.sharding import Mesh
 
 from jaxspec import sampling
 from jaxspec.model.config import ModelConfig
-from jaxspec.model.forward import causal_mask, last_valid, lm_logits, model_forward, prompt_attention
+from jaxspec.model.forward import causal_mask, last_valid, lm_logits, model_forward
 from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.live_attention import prompt_attention_for, runs_reference
 from jaxspec.sharding import constrain_cache
-from pallas_kernels.dispatch import resolve_impl
 
 PREFILL_CHUNK = 128  # prompt tokens per forward on kernel paths
 
@@ -212,12 +212,10 @@ def _prompt_forward(
         )  # fmt: skip
     positions = jnp.broadcast_to(offset + jnp.arange(s, dtype=jnp.int32), (batch, s))
     start = dataclasses.replace(cache, lengths=jnp.full((batch,), offset, jnp.int32))
-    # The Pallas kernels stop at each row's length; the reference would score every padded slot.
-    reference = resolve_impl(attention, jax.default_backend()) == "reference"
     return model_forward(
         graphdef, params, tokens, positions, start, causal_mask(batch, s),
         attention=attention, capture_layers=capture_layers, mesh=mesh,
-        attend=prompt_attention(offset) if reference else None,
+        attend=prompt_attention_for(attention, offset),
     )  # fmt: skip
 
 
@@ -225,8 +223,7 @@ def prefill_chunk_size(attention: str, prompt_len: int, chunk: int | None = None
     """Prompt tokens per prefill forward: `chunk` if given, else PREFILL_CHUNK where attention runs a
     Pallas kernel and the whole prompt on the jnp reference path (the CPU default)."""
     if chunk is None:
-        reference = resolve_impl(attention, jax.default_backend()) == "reference"
-        chunk = prompt_len if reference else PREFILL_CHUNK
+        chunk = prompt_len if runs_reference(attention) else PREFILL_CHUNK
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1, got {chunk}")
     return min(chunk, prompt_len)

@@ -11,7 +11,6 @@ from flax import nnx
 from jaxspec.model.kv_cache import KVCache, write_window_flat
 from jaxspec.sharding import shard_attention
 from pallas_kernels import tree_attention
-from pallas_kernels.reference import tree_attention_reference
 
 
 def attention_for(impl: str, mesh: jax.sharding.Mesh | None = None):
@@ -53,24 +52,6 @@ def cached_attention(impl: str, mesh: jax.sharding.Mesh | None = None, attend: C
     if mesh is not None:
         return shard_attention(write_and_attend, mesh, returns_cache=True)
     return write_and_attend
-
-
-def prompt_attention(prefix_len: int) -> Callable:
-    """The reference tree attention for a prompt forward whose rows all start at cache position
-    prefix_len (a static int: 0, or a shared prefix's length): it reads only cache positions
-    [0, prefix_len) besides the new tokens, not the whole padded cache.
-
-    Same contract as `tree_attention` (q [B, Hq, N, D], caches [B, Hkv, S, D], lengths [B] = prefix_len,
-    new keys/values [B, Hkv, N, D], tree_mask [B, N, N]). The positions it skips are masked out of the
-    full-cache reference, so the result is the same; a whole-prompt prefill into an empty cache of S
-    slots no longer scores N x S masked keys (measured: `scripts/bench_prefill_attention.py`).
-    """
-
-    def attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale):
-        k_prefix, v_prefix = k_cache[:, :, :prefix_len], v_cache[:, :, :prefix_len]
-        return tree_attention_reference(q, k_prefix, v_prefix, lengths, k_new, v_new, tree_mask, scale=scale)
-
-    return attend
 
 
 def model_forward(

@@ -29,6 +29,19 @@ from pallas_kernels.reference import tree_attention_reference
 LIVE_BLOCK = 128
 
 
+def cache_prefix_attention(width: int) -> Callable:
+    """The reference tree attention reading only cache positions [0, width) (a static int) besides the
+    new tokens; right wherever every row's length is <= width, since the positions it skips are masked
+    out of the whole-cache reference. Same contract as `pallas_kernels.tree_attention` (q [B, Hq, N, D],
+    caches [B, Hkv, S, D], lengths [B], new keys/values [B, Hkv, N, D], tree_mask [B, N, N])."""
+
+    def attend(q, k_cache, v_cache, lengths, k_new, v_new, tree_mask, *, scale):
+        k_prefix, v_prefix = k_cache[:, :, :width], v_cache[:, :, :width]
+        return tree_attention_reference(q, k_prefix, v_prefix, lengths, k_new, v_new, tree_mask, scale=scale)
+
+    return attend
+
+
 def live_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -56,18 +69,28 @@ def live_attention(
     longest = jnp.minimum(jnp.max(lengths), s)
     branch = jnp.sum(longest > jnp.asarray(widths[:-1], jnp.int32))  # the narrowest width >= longest
 
-    def attend_up_to(width: int):
-        def attend() -> jax.Array:
-            k, v = k_cache[:, :, :width], v_cache[:, :, :width]
-            return tree_attention_reference(q, k, v, lengths, k_tree, v_tree, tree_mask, scale=scale)
-
-        return attend
+    def attend_up_to(width: int) -> Callable[[], jax.Array]:
+        attend = cache_prefix_attention(width)
+        return lambda: attend(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, scale=scale)
 
     return jax.lax.switch(branch, [attend_up_to(w) for w in widths])
 
 
+def runs_reference(attention: str) -> bool:
+    """Whether SpecConfig.attention resolves to the jnp reference on this backend (the CPU default);
+    elsewhere a Pallas kernel runs, which already stops at each row's length."""
+    return resolve_impl(attention, jax.default_backend()) == "reference"
+
+
 def live_attention_for(attention: str) -> Callable | None:
     """The `attend` a decode or verify forward passes to `model_forward` for SpecConfig.attention:
-    `live_attention` where the jnp reference runs (CPU), None (the Pallas kernels, which already stop
-    at each row's length) elsewhere."""
-    return live_attention if resolve_impl(attention, jax.default_backend()) == "reference" else None
+    `live_attention` where the jnp reference runs, None (the Pallas kernel) elsewhere."""
+    return live_attention if runs_reference(attention) else None
+
+
+def prompt_attention_for(attention: str, prefix_len: int) -> Callable | None:
+    """The `attend` of a prompt forward whose rows all start at cache position prefix_len (a static
+    int: 0, or a shared prefix's length): `cache_prefix_attention(prefix_len)` where the jnp reference
+    runs, so a whole-prompt prefill into an empty cache of S slots does not score N x S masked keys
+    (`scripts/bench_prefill_attention.py`); None (the Pallas kernel) elsewhere."""
+    return cache_prefix_attention(prefix_len) if runs_reference(attention) else None

@@ -43,8 +43,9 @@ from tqdm import tqdm
 
 from jaxspec.distributed import barrier
 from jaxspec.model.config import ModelConfig
-from jaxspec.model.forward import causal_mask, lm_logits, model_forward, prompt_attention
+from jaxspec.model.forward import causal_mask, lm_logits, model_forward
 from jaxspec.model.kv_cache import KVCache
+from jaxspec.model.live_attention import cache_prefix_attention
 from jaxspec.sharding import DEFAULT_RULES, cache_shardings, place_batch, put_sharded
 
 META = "meta.json"
@@ -73,7 +74,7 @@ def target_features(
     positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
     hidden, captured, _ = model_forward(
         graphdef, params, tokens, positions, cache, causal_mask(b, n),
-        attention="reference", capture_layers=capture_layers, attend=prompt_attention(0),
+        attention="reference", capture_layers=capture_layers, attend=cache_prefix_attention(0),
     )  # fmt: skip
     layers = jnp.concatenate(captured, axis=-1) if captured else None
     if not stop_gradient:
