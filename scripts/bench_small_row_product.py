@@ -20,13 +20,12 @@ import dataclasses
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxspec
-from jaxspec.bench.step_costs import step_loop
+from jaxspec.bench.step_costs import paired_loop_step_times, step_loop
 from jaxspec.model import llama
 from jaxspec.model.forward import causal_mask, model_forward
 from jaxspec.model.kv_cache import KVCache
@@ -76,13 +75,7 @@ def paired_times(
             carries[name] = jax.block_until_ready(loops[name](carry(), (model.params, tokens), zero))
     finally:
         llama.project = PROJECT
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-    for _ in range(rounds):
-        for name, loop in loops.items():
-            start = time.perf_counter()
-            carries[name] = jax.block_until_ready(loop(carries[name], (model.params, tokens), zero))
-            times[name].append((time.perf_counter() - start) / iters)
-    return times
+    return paired_loop_step_times(loops, carries, (model.params, tokens), iters=iters, rounds=rounds)
 
 
 def main() -> None:

@@ -30,14 +30,13 @@ import dataclasses
 import functools
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxspec
 from jaxspec import sampling
-from jaxspec.bench.step_costs import median_loop_step_time, step_loop
+from jaxspec.bench.step_costs import median_loop_step_time, paired_loop_step_times, step_loop
 from jaxspec.config import SamplingParams
 from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens
 from jaxspec.model.forward import lm_logits, model_forward
@@ -152,13 +151,7 @@ def attention_ab(
     carries = {
         name: jax.block_until_ready(loop(carry(), (params, token), zero)) for name, loop in loops.items()
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, loop in loops.items():
-            start = time.perf_counter()
-            carries[name] = jax.block_until_ready(loop(carries[name], (params, token), zero))
-            times[name].append((time.perf_counter() - start) / iters)
-    return times
+    return paired_loop_step_times(loops, carries, (params, token), iters=iters, rounds=rounds)
 
 
 def main() -> None:

@@ -139,6 +139,28 @@ def median_loop_step_time(
     return float(np.median(times))
 
 
+def paired_loop_step_times(
+    loops: dict[str, Callable[[Any, tuple, jax.Array], Any]],
+    carries: dict[str, Any],
+    inputs: tuple,
+    *,
+    iters: int,
+    rounds: int,
+) -> dict[str, list[float]]:
+    """Seconds per step of each compiled `step_loop` (name -> loop, each run once already: `carries`
+    holds what that run returned), timed in turn for `rounds` rounds, so a drifting machine load hits
+    every variant alike: name -> one time per round (pair them by index)."""
+    zero = jnp.zeros((), jnp.int32)
+    carries = dict(carries)
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            start = time.perf_counter()
+            carries[name] = jax.block_until_ready(loop(carries[name], inputs, zero))
+            times[name].append((time.perf_counter() - start) / iters)
+    return times
+
+
 @functools.partial(jax.jit, static_argnames=("drafter",), donate_argnames=("state",))
 def _propose(drafter, draft_params, params, state, ctx: RoundContext):
     """One draft round -> (tree, drafter state)."""
