@@ -18,6 +18,13 @@ cache_lengths, a depth-d draft at cache_lengths + d). Its data lives in draft_pa
 data never recompiles. `ForcedTokens` plants an oracle (tests, acceptance upper bounds); pass hooks to
 `jaxspec.drafters.heads.registry.make_head_drafter`.
 
+Draft vocabulary: a head whose LM head covers a subset of the target vocabulary (EAGLE-3) drafts over
+that subset (`DraftVocabulary`): processing, ranking, top-k and sampling run over its V_d entries and
+the chosen indices map to target ids, as EAGLE-3's reference drafts with `d2t`; a chain's q is put
+back on the target vocabulary (zero outside) for verification. The same distributions and, with
+ascending ids, the same greedy tokens and tie-breaks as processing the target-vocabulary logits that
+are -inf outside the subset, without V-wide passes per draft step.
+
 The drafter classes live in the families' subpackages: medusa/drafter.py, eagle/drafter.py, mtp/drafter.py.
 """
 
@@ -32,7 +39,13 @@ import jax.numpy as jnp
 
 from jaxspec import sampling
 from jaxspec.drafters.protocol import RoundContext
-from jaxspec.drafters.tree_build import expand_frontier, root_frontier, select_dynamic_tree, stack_candidates
+from jaxspec.drafters.tree_build import (
+    FrontierExpansion,
+    expand_frontier,
+    root_frontier,
+    select_dynamic_tree,
+    stack_candidates,
+)
 from jaxspec.sampling.tree import DraftTree, chain_tree
 
 
@@ -48,6 +61,24 @@ def apply_hook(
         return logits
     index = jnp.broadcast_to(predicted_index, logits.shape[:-1]).astype(jnp.int32)
     return hook(draft_params["hook"], logits, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftVocabulary:
+    """The entries of a head's draft logits as target tokens: ids [V_d] int32, ascending target ids
+    (draft index i is target token ids[i]), out of a target vocabulary of `size` tokens."""
+
+    ids: jax.Array
+    size: int
+
+    def tokens(self, index: jax.Array) -> jax.Array:
+        """Draft indices [...] -> target token ids [...] int32."""
+        return self.ids[index].astype(jnp.int32)
+
+    def on_target(self, probs: jax.Array) -> jax.Array:
+        """probs [..., V_d] -> [..., size]: the same distribution over the target vocabulary."""
+        full = jnp.zeros(probs.shape[:-1] + (self.size,), probs.dtype)
+        return full.at[..., self.ids].set(probs)
 
 
 def candidate_scores(logits: jax.Array, params: sampling.SamplingArrays) -> jax.Array:
@@ -68,30 +99,43 @@ TreeStep = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any
 
 
 def sampled_chain(
-    root: jax.Array, first_logits: jax.Array, step: ChainStep, carry: Any, *, depth: int, ctx: RoundContext
+    root: jax.Array,
+    first_logits: jax.Array,
+    step: ChainStep,
+    carry: Any,
+    *,
+    depth: int,
+    ctx: RoundContext,
+    vocab: DraftVocabulary | None = None,
 ) -> tuple[DraftTree, Any]:
     """Draft a chain of `depth` tokens, each sampled from its processed distribution.
 
     first_logits [B, V]: the head's logits for the depth-1 draft. step(carry, token [B], k) runs the head
     on the depth-k draft `token` (k = 1..depth-1, traced) and returns (logits [B, V] of depth k + 1,
     carry). The depth-d draft uses key fold_in(ctx.keys, d). Returns (DraftTree with q_probs, carry).
+    vocab: the logits are over this draft vocabulary ([B, V_d]); tokens handed to `step` and drafted are
+    target ids, q_probs are over the target vocabulary.
     """
-    q_first = sampling.process_logits(first_logits, ctx.sampling)
-    first = sampling.sample_from_probs(q_first, sampling.fold_in_rows(ctx.keys, 1))
-    if depth == 1:
-        return chain_tree(root, first[:, None], q_first[:, None]), carry
 
-    def body(state, k):
-        token, inner = state
-        logits, inner = step(inner, token, k)
+    def draw(logits: jax.Array, depth_index) -> tuple[jax.Array, jax.Array]:
         q = sampling.process_logits(logits, ctx.sampling)
-        nxt = sampling.sample_from_probs(q, sampling.fold_in_rows(ctx.keys, k + 1))
-        return (nxt, inner), (nxt, q)
+        token = sampling.sample_from_probs(q, sampling.fold_in_rows(ctx.keys, depth_index))
+        return (token, q) if vocab is None else (vocab.tokens(token), q)
 
-    (_, carry), (tokens, qs) = jax.lax.scan(body, (first, carry), jnp.arange(1, depth, dtype=jnp.int32))
-    drafts = jnp.concatenate([first[:, None], tokens.T], axis=1)
-    q_probs = jnp.concatenate([q_first[:, None], jnp.swapaxes(qs, 0, 1)], axis=1)
-    return chain_tree(root, drafts, q_probs), carry
+    first, q_first = draw(first_logits, 1)
+    drafts, q_probs = first[:, None], q_first[:, None]
+    if depth > 1:
+
+        def body(state, k):
+            token, inner = state
+            logits, inner = step(inner, token, k)
+            nxt, q = draw(logits, k + 1)
+            return (nxt, inner), (nxt, q)
+
+        (_, carry), (tokens, qs) = jax.lax.scan(body, (first, carry), jnp.arange(1, depth, dtype=jnp.int32))
+        drafts = jnp.concatenate([drafts, tokens.T], axis=1)
+        q_probs = jnp.concatenate([q_probs, jnp.swapaxes(qs, 0, 1)], axis=1)
+    return chain_tree(root, drafts, q_probs if vocab is None else vocab.on_target(q_probs)), carry
 
 
 def dynamic_tree(
@@ -103,23 +147,34 @@ def dynamic_tree(
     topk: int,
     num_steps: int,
     num_draft_tokens: int,
+    vocab: DraftVocabulary | None = None,
 ) -> tuple[DraftTree, Any]:
     """EAGLE-2 dynamic tree over `num_steps` expansions (depth = num_steps), `lax.scan` over steps.
 
     root_scores [B, V]: scores of the root's children. step(carry, tokens [B, topk], source [B, topk], s)
     runs the head on the depth-s frontier (`source`: the depth-(s-1) frontier slot each node descends
     from) and returns (scores of their children [B, topk, V], carry). Returns (DraftTree with
-    1 + num_draft_tokens nodes and q_probs None, carry).
+    1 + num_draft_tokens nodes and q_probs None, carry). vocab: the scores are over this draft
+    vocabulary ([..., V_d]); the tokens handed to `step` and drafted are target ids.
     """
+
+    def expand(score, pool, scores, s) -> FrontierExpansion:
+        grown = expand_frontier(score, pool, scores, topk=topk, step=s)
+        if vocab is None:
+            return grown
+        return dataclasses.replace(
+            grown, cand_tokens=vocab.tokens(grown.cand_tokens), next_tokens=vocab.tokens(grown.next_tokens)
+        )
+
     score0, pool0 = root_frontier(root.shape[0])
-    first = expand_frontier(score0, pool0, root_scores[:, None], topk=topk, step=0)
+    first = expand(score0, pool0, root_scores[:, None], 0)
     later = None
     if num_steps > 1:
 
         def body(state, s):
             tokens, score, pool, source, inner = state
             scores, inner = step(inner, tokens, source, s)
-            grown = expand_frontier(score, pool, scores, topk=topk, step=s)
+            grown = expand(score, pool, scores, s)
             return (
                 grown.next_tokens,
                 grown.next_score,

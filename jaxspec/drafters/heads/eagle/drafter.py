@@ -30,6 +30,7 @@ from flax import nnx
 from jaxspec.drafters.heads.configs import Eagle3Config, EagleConfig
 from jaxspec.drafters.heads.drafting import (
     ChainOrDynamicTreeShape,
+    DraftVocabulary,
     apply_hook,
     candidate_scores,
     dynamic_tree,
@@ -70,6 +71,20 @@ class EagleDrafter(ChainOrDynamicTreeShape):
     def _modules(self, draft_params, target_params):
         head = nnx.merge(self.head_graphdef, draft_params["head"])
         return head, nnx.merge(self.target_graphdef, target_params)
+
+    def draft_vocabulary(self, head) -> DraftVocabulary | None:
+        """EAGLE-3 drafts over its own draft vocabulary; EAGLE-1 (the target's LM head) and a drafter
+        with a logits hook (which rewrites target-vocabulary logits) over the target vocabulary."""
+        if isinstance(self.config, Eagle3Config) and self.logits_hook is None:
+            return DraftVocabulary(head.target_ids(), self.config.layer.vocab_size)
+        return None
+
+    def _logits(self, head, target, vocab, draft_params, hidden: jax.Array, predicted_index) -> jax.Array:
+        """hidden [..., d] -> logits [..., V_d] over `vocab`, or [..., V] (hook applied) without one."""
+        if vocab is not None:
+            return head.draft_logits(hidden)
+        logits = head.logits(hidden, target.lm_logits)
+        return apply_hook(self.logits_hook, draft_params, logits, predicted_index)
 
     def target_features(self, hidden: jax.Array, captured: tuple[jax.Array, ...]) -> jax.Array:
         """The raw target features the head reads: [..., d] (EAGLE-1) or [..., 3 d] (EAGLE-3)."""
@@ -134,9 +149,8 @@ class EagleDrafter(ChainOrDynamicTreeShape):
         # 2. the predicted feature at the root (the chunk's last real pair) and the depth-1 logits.
         root_hidden = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
         c = ctx.cache_lengths
-        root_logits = apply_hook(
-            self.logits_hook, draft_params, head.logits(root_hidden, target.lm_logits), c + 1
-        )
+        vocab = self.draft_vocabulary(head)
+        root_logits = self._logits(head, target, vocab, draft_params, root_hidden, c + 1)
         committed = (slots[None, :] < length[:, None])[:, None, :]
 
         def run(tokens: jax.Array, hidden: jax.Array, position: jax.Array, extra_k, extra_v, extra_visible):
@@ -166,14 +180,13 @@ class EagleDrafter(ChainOrDynamicTreeShape):
                 out, kk, vv = run(token[:, None], hidden[:, None], length + step - 1, buf_k, buf_v, visible)
                 buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), step - 1, axis=2)
                 buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), step - 1, axis=2)
-                logits = apply_hook(
-                    self.logits_hook, draft_params, head.logits(out[:, 0], target.lm_logits), c + step + 1
-                )
+                logits = self._logits(head, target, vocab, draft_params, out[:, 0], c + step + 1)
                 return logits, (out[:, 0], buf_k, buf_v)
 
             tree, _ = sampled_chain(
-                root, root_logits, chain_step, (root_hidden, buffer, buffer), depth=self.depth, ctx=ctx
-            )
+                root, root_logits, chain_step, (root_hidden, buffer, buffer), depth=self.depth, ctx=ctx,
+                vocab=vocab,
+            )  # fmt: skip
             return tree, state
 
         width = self.topk
@@ -188,9 +201,7 @@ class EagleDrafter(ChainOrDynamicTreeShape):
             buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), offset, axis=2)
             buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), offset, axis=2)
             own = jnp.arange(slots_total)[None, :] == offset + jnp.arange(width)[:, None]  # [K, T]
-            logits = apply_hook(
-                self.logits_hook, draft_params, head.logits(out, target.lm_logits), (c + step + 1)[:, None]
-            )
+            logits = self._logits(head, target, vocab, draft_params, out, (c + step + 1)[:, None])
             return candidate_scores(logits, ctx.sampling), (out, seen | own[None], buf_k, buf_v)
 
         carry = (
@@ -207,6 +218,7 @@ class EagleDrafter(ChainOrDynamicTreeShape):
             topk=width,
             num_steps=self.depth,
             num_draft_tokens=self.num_draft_tokens,
+            vocab=vocab,
         )
         return tree, state
 
