@@ -26,7 +26,9 @@ shared prefix, the chat template's system turn, prefilled once (`share_prefix=Tr
 --peer, Hugging Face transformers batched `generate` (left padding, same batch size, float32, each
 batch run to its largest budget, tokens past a request's own budget or EOS not counted). Reports total
 tokens/s, total time, time to the first finished request and peak RSS; compilation is excluded (every
-program is compiled first).
+program is compiled first). Last, the workload's compute bound (`jaxspec.bench.compute_bound`): its
+matrix-product FLOPs (real prompt tokens, no padding, attention free) at the rate one large dense product
+reaches on this machine, and each engine's share of it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import jax
 
 import jaxspec
 from jaxspec.batch.summary import peak_rss_kib
+from jaxspec.bench.compute_bound import dense_product_rate, token_flops, workload_flops
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.policy import PolicyRule, SpeculationPolicy, choose_spec, describe_spec, load_policy
 from jaxspec.model.buckets import length_bucket
@@ -318,6 +321,20 @@ def continuous(args, model, prompts) -> list[dict]:
               "total s", "first result s", "tokens"]  # fmt: skip
     print(markdown(header, rows))
     print(f"peak RSS {peak_rss_gib():.2f} GiB")
+    tokens = results[0]["tokens"]
+    rate = dense_product_rate()
+    flops = workload_flops(token_flops(model), sum(len(r) for r in reqs), tokens, len(reqs))
+    bound = tokens / (flops / rate)
+    print(
+        f"compute bound: {flops / 1e12:.2f} TFLOP of matrix products ({sum(len(r) for r in reqs)} prompt "
+        f"tokens, {tokens} new) at {rate / 1e9:.0f} GFLOP/s (one dense [2048, 576] x [576, 1536] product) "
+        f"= {bound:.1f} tok/s; "
+        + ", ".join(f"{r['engine']} (slots {r['slots']}) {r['tokens_per_s'] / bound:.0%}" for r in results)
+    )
+    for r in results:
+        r.update(
+            compute_bound_tokens_per_s=bound, dense_product_gflops=rate / 1e9, workload_tflop=flops / 1e12
+        )
     return results
 
 

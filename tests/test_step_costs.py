@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxspec
+from jaxspec.bench.compute_bound import token_flops, workload_flops
 from jaxspec.bench.step_costs import measure_step_costs, step_loop
 from jaxspec.config import SpecConfig
 from tests.tiny_models import save_tiny
@@ -51,3 +52,18 @@ def test_measure_step_costs_times_every_part_of_a_round(tiny):
         assert 0 < getattr(costs, name) < 10, name
     autoregressive = measure_step_costs(tiny, None, [5, 6, 7], iters=3)
     assert autoregressive.verify_s == autoregressive.decode_s and autoregressive.draft_s == 0.0
+
+
+def test_token_flops_count_every_layer_weight_once(tmp_path):
+    torch_model = save_tiny("llama", tmp_path)
+    flops = token_flops(jaxspec.load(str(tmp_path)))
+    layer_weights = sum(p.numel() for p in torch_model.model.layers.parameters() if p.dim() >= 2)
+    config = torch_model.config
+    assert flops.layers == 2 * layer_weights  # q, k, v, o, gate, up, down of every layer, norms left out
+    assert flops.lm_head == 2 * config.vocab_size * config.hidden_size
+    # 3 requests, 10 prompt tokens, 7 new tokens: 3 first tokens from the prefills, 4 decoded.
+    assert workload_flops(flops, 10, 7, 3) == 10 * flops.layers + 3 * flops.lm_head + 4 * (
+        flops.layers + flops.lm_head
+    )
+    with pytest.raises(ValueError, match="2 new tokens for 3 requests"):
+        workload_flops(flops, 10, 2, 3)
