@@ -5,8 +5,9 @@ fused by fc (no bias) to d. The decoder layer ("midlayer") attends over
 [input_layernorm(Emb(t)); hidden_norm(h)] (2d wide) with residual h; its output h' is both the next
 step's feature (drafting feeds it back, un-normed) and, after the head's own norm and LM head, logits
 over the draft vocabulary. Draft id i is target id i + d2t[i]; t2d[v] says whether target id v is in
-the draft vocabulary. Target-vocabulary logits put the draft logits at their target ids and -inf
-elsewhere, so the shared logits processor sees one distribution over the target vocabulary.
+the draft vocabulary. Drafting processes the draft logits themselves and maps the chosen indices to
+target ids (`jaxspec.drafters.heads.drafting.DraftVocabulary`); `logits` puts them at their target ids
+with -inf elsewhere, one distribution over the target vocabulary (what a logits hook rewrites).
 
 Same drafter interface as `jaxspec.drafters.heads.eagle.eagle.EagleHead`.
 """
