@@ -321,12 +321,12 @@ def continuous(args, model, prompts) -> list[dict]:
               "total s", "first result s", "tokens"]  # fmt: skip
     print(markdown(header, rows))
     print(f"peak RSS {peak_rss_gib():.2f} GiB")
-    tokens = results[0]["tokens"]
+    tokens, prompt_tokens = results[0]["tokens"], sum(len(r) for r in reqs)
     rate = dense_product_rate()
-    flops = workload_flops(token_flops(model), sum(len(r) for r in reqs), tokens, len(reqs))
+    flops = workload_flops(token_flops(model), prompt_tokens, tokens, len(reqs))
     bound = tokens / (flops / rate)
     print(
-        f"compute bound: {flops / 1e12:.2f} TFLOP of matrix products ({sum(len(r) for r in reqs)} prompt "
+        f"compute bound: {flops / 1e12:.2f} TFLOP of matrix products ({prompt_tokens} prompt "
         f"tokens, {tokens} new) at {rate / 1e9:.0f} GFLOP/s (one dense [2048, 576] x [576, 1536] product) "
         f"= {bound:.1f} tok/s; "
         + ", ".join(f"{r['engine']} (slots {r['slots']}) {r['tokens_per_s'] / bound:.0%}" for r in results)

@@ -1,7 +1,7 @@
-"""EAGLE-3 drafts over its draft vocabulary (`DraftVocabulary`) exactly what it drafts over the target
-vocabulary with -inf outside it: the same greedy chains, the same dynamic trees (greedy and sampled
-rows, top-k ties included) and the same q over the target vocabulary. The target-vocabulary path is the
-one a logits hook takes; an identity hook forces it here."""
+"""EAGLE-3 drafts over its draft vocabulary (`DraftVocabulary`) what it drafts over the target vocabulary
+with -inf outside it: the same dynamic trees (greedy and sampled rows), the same greedy chains and the
+same chain q over the target vocabulary (every depth of a greedy row, depth 1 of a sampled row). The
+target-vocabulary path is the one a logits hook takes; an identity hook forces it here."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def tiny(tmp_path_factory):
 
 
 def drafts(model, spec: SpecConfig, hook) -> tuple:
-    """(tokens, parent, q_probs or None) of one proposal for PROMPTS after a real prefill."""
+    """(tokens, parent, q_probs or None, the head's draft vocabulary as target ids) of one proposal for
+    PROMPTS after a real prefill."""
     drafter, draft_params = make_head_drafter(model, spec, logits_hook=hook, hook_params={} if hook else ())
     rows = len(PROMPTS)
     requests = Requests(
@@ -76,7 +77,8 @@ def drafts(model, spec: SpecConfig, hook) -> tuple:
 
     tree = run(model.params, draft_params)
     q = None if tree.q_probs is None else np.asarray(tree.q_probs)
-    return np.asarray(tree.tokens), np.asarray(tree.parent), q
+    head_ids = np.nonzero(np.asarray(draft_params["head"]["t2d"][...]))[0]
+    return np.asarray(tree.tokens), np.asarray(tree.parent), q, head_ids
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
@@ -85,9 +87,8 @@ def test_draft_vocabulary_drafts_what_the_target_vocabulary_drafts(tiny, shape):
     spec = SpecConfig(method="eagle3", head="random", num_speculative_tokens=3, extra=extra)
     if shape == "tree":
         spec = dataclasses.replace(spec, topk=3, num_draft_tokens=7)
-    tokens, parent, q = drafts(tiny, spec, None)
-    full_tokens, full_parent, full_q = drafts(tiny, spec, IdentityHook())
-    head_ids = np.nonzero(np.asarray(make_head_drafter(tiny, spec)[1]["head"]["t2d"][...]))[0]
+    tokens, parent, q, head_ids = drafts(tiny, spec, None)
+    full_tokens, full_parent, full_q, _ = drafts(tiny, spec, IdentityHook())
     assert len(head_ids) == 96 and not np.array_equal(head_ids, np.arange(96))
     assert np.isin(tokens[:, 1:], head_ids).all()  # drafts are target ids inside the draft vocabulary
     np.testing.assert_array_equal(parent, full_parent)
