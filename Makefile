@@ -30,7 +30,7 @@ demo: $(STAMP)
 
 # Two worker processes (one per core), whole files per worker: compiles overlap with runs, and no single
 # process accumulates every compiled program of the suite. The 15 slowest tests are listed at the end (the
-# suite's budget is ~25 minutes on 2 cores); tests/conftest.py keeps one compilation cache for the run.
+# suite's budget is ~25 minutes on 2 cores).
 test: $(TEST_STAMP)
 	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
 
