@@ -42,11 +42,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--prompts", help="JSONL of {id, prompt} (default: jaxspec's own training prompt set)")
     p.add_argument(
-        "--prompt-source", choices=("templated", "magpie"), default="templated",
+        "--prompt-source", choices=("templated", "magpie", "passages"), default="templated",
         help="templated: jaxspec's task x topic set (or --prompts); magpie: user turns written by the "
         "model itself (--magpie-per-category per category), kept in DATASET/prompts/magpie_s<seed>.jsonl "
-        "(WORKDIR/ without --dataset)",
+        "(WORKDIR/ without --dataset); passages: every human-written passage of --passages x every "
+        "summarise / rewrite / extract task of jaxspec.train.passages",
     )  # fmt: skip
+    p.add_argument("--passages", help="JSONL of {id, genre, text} (default: the shipped passages_en.jsonl)")
     p.add_argument("--magpie-per-category", type=int, default=256)
     p.add_argument("--magpie-categories", default="all", help="comma-separated (default all)")
     p.add_argument("--magpie-max-new-tokens", type=int, default=128, help="budget of a sampled user turn")
@@ -138,6 +140,15 @@ def _prompt_rows(args: argparse.Namespace) -> list[dict]:
     else:
         rows = training_prompts(exclude=exclude, seed=args.seed)
     return rows[: args.num_prompts]
+
+
+def _passage_rows(args: argparse.Namespace) -> list[dict]:
+    from jaxspec.train.passages import default_passage_file, load_passages, passage_prompts
+    from jaxspec.train.prompts import load_prompt_texts
+
+    passages = load_passages(args.passages or default_passage_file())
+    exclude = load_prompt_texts(args.exclude) if args.exclude else []
+    return passage_prompts(passages, exclude=exclude, seed=args.seed)[: args.num_prompts]
 
 
 def _num_positions(args: argparse.Namespace) -> int:
@@ -254,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         if args.prompt_source == "magpie":
             prompts = _magpie_rows(args, model, dataset.path / "prompts" if dataset is not None else workdir)
+        elif args.prompt_source == "passages":
+            prompts = _passage_rows(args)
         else:
             prompts = _prompt_rows(args)
         distilled = distill(
