@@ -1,13 +1,15 @@
 """Teacher-forced agreement of draft heads with the target on the target's own greedy responses.
 
     python scripts/head_agreement.py docs/bench/heads configs/heads/smollm2-135m/eagle3 [more heads]
+    python scripts/head_agreement.py --by-category docs/bench/heads HEAD_DIR   # also per prompt category
 
 Reads the autoregressive outputs that `jaxspec bench --out-dir OUT_DIR` recorded (the target's greedy
 responses to the benchmark's prompts) and, for each head, runs its training objective over them in one
 batch: depth-j top-1 agreement with the target's argmax, as the trainer logs it (EAGLE-3: within its
 draft vocabulary). Also prints, for EAGLE-3 heads, the share of response tokens inside the draft
 vocabulary (a token outside it can never be drafted). Separates what a head predicts from what a
-verify round costs: acceptance at depth 1 is about agreement x coverage.
+verify round costs: acceptance at depth 1 is about agreement x coverage. --by-category adds one line per
+prompt category (the dev prompt ids' prefix: chat, code, fact, summ).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", help="directory holding bench.json with an 'ar' variant")
     parser.add_argument("heads", nargs="+", help="head directories (jaxspec_head.json)")
+    parser.add_argument("--by-category", action="store_true", help="also per prompt category (id prefix)")
     args = parser.parse_args(argv)
 
     import jax
@@ -43,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(settings["prompts"], model, chat=True)
     prompt_ids = dict(zip(prompts.ids, prompts.token_ids, strict=True))
     rows = [
-        {"prompt_ids": list(prompt_ids[pid]), "response_ids": stats["token_ids"]}
+        {
+            "prompt_ids": list(prompt_ids[pid]),
+            "response_ids": stats["token_ids"],
+            "category": pid.split("_")[0],
+        }
         for run in bench["runs"]
         if run["label"] == "ar"
         for pid, stats in zip(run["prompt_ids"], run["stats"], strict=True)
@@ -77,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         if layers is not None:
             batch["layers"] = layers
         trainable, fixed_head = split_trainable(head.params)
-        agreement = jax.jit(
+        agree = jax.jit(
             lambda t, f, p, b, o=objective: o(
                 {"head": t}, {"target": p, "head_fixed": f}, b, jax.random.key(0)
-            )[1]
-        )(trainable, fixed_head, model.params, batch)["depth_acc"]
+            )[1]["depth_acc"]
+        )
+        agreement = agree(trainable, fixed_head, model.params, batch)
         line = f"{directory}: agreement by depth {' / '.join(f'{a:.3f}' for a in np.asarray(agreement))}"
         if isinstance(config, Eagle3Config):
             from flax import nnx
@@ -91,6 +99,13 @@ def main(argv: list[str] | None = None) -> int:
             vocab = config.draft_vocab_size
             line += f" (within the draft vocabulary of {vocab}; it holds {coverage:.3f} of the tokens)"
         print(line, flush=True)
+        if args.by_category:
+            categories = [r["category"] for r in rows]
+            for category in sorted(set(categories)):
+                take = np.asarray([i for i, c in enumerate(categories) if c == category])
+                subset = jax.tree.map(lambda x, take=take: x[take], batch)
+                by_depth = np.asarray(agree(trainable, fixed_head, model.params, subset))
+                print(f"  {category} ({take.size} responses): {' / '.join(f'{a:.3f}' for a in by_depth)}")
     return 0
 
 
