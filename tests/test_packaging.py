@@ -1,4 +1,4 @@
-"""The built wheel carries configs/ (tree presets, shipped heads, passages) and finds it from the package.
+"""The built wheel carries configs/ (tree presets, heads, prompt files) and finds it from the package.
 
 Builds the wheel from this checkout, installs it with `pip install --no-deps --target DIR` and runs it
 from an empty temporary folder with PYTHONPATH=DIR and this environment's interpreter (its jax, flax,
@@ -67,13 +67,16 @@ def test_installed_package_finds_configs_from_any_folder(installed, tmp_path):
         "print(load_tree_preset('tree_16').num_nodes)\n"
         "from jaxspec.train.passages import default_passage_file, load_passages\n"
         "print(default_passage_file(), len(load_passages(default_passage_file())))\n"
+        "from jaxspec.train.prompts import load_prompt_rows\n"
+        "print(len(load_prompt_rows(r.configs_dir() / 'prompts' / 'questions_en.jsonl')))\n"
     )
     lines = _run(installed, tmp_path, sys.executable, "-c", code).split()
     assert lines[0] == str(installed / "jaxspec" / "__init__.py")  # not this checkout
     assert lines[1] == str(installed / "jaxspec" / "configs")
     assert lines[2] == str(installed / "jaxspec" / "configs" / "heads" / "smollm2-135m" / "eagle3")
     assert lines[3] == "17"
-    assert lines[4:] == [str(installed / "jaxspec" / "configs" / "prompts" / "passages_en.jsonl"), "123"]
+    prompts = installed / "jaxspec" / "configs" / "prompts"
+    assert lines[4:] == [str(prompts / "passages_en.jsonl"), "173", "520"]
 
 
 def test_installed_cli_generates_with_the_shipped_head_from_an_empty_folder(installed, tmp_path):

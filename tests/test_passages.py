@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from jaxspec.errors import InputError
 from jaxspec.train.passages import PASSAGE_TASKS, default_passage_file, load_passages, passage_prompts
 from jaxspec.train.prompts import NearDuplicateIndex, load_prompt_texts
 
@@ -61,34 +59,3 @@ def test_shipped_passages_are_disjoint_from_the_dev_prompts(passages):
         pytest.skip(f"{DEV} not present")
     dev = load_prompt_texts(DEV)
     assert len(passage_prompts(passages, exclude=dev)) == len(passages) * len(PASSAGE_TASKS)
-
-
-@pytest.mark.parametrize(
-    "line,message",
-    [
-        ("{not json", "not valid JSON"),
-        ('["a list"]', "expected an object"),
-        ('{"id": "a", "genre": "news"}', "field 'text'"),
-        ('{"id": "a", "genre": "", "text": "Some text."}', "field 'genre'"),
-        ('{"id": 3, "genre": "news", "text": "Some text."}', "field 'id'"),
-    ],
-)
-def test_a_bad_line_names_the_file_line_and_field(tmp_path, line, message):
-    path = tmp_path / "passages.jsonl"
-    good = json.dumps({"id": "ok", "genre": "news", "text": "A fine passage."})
-    path.write_text(good + "\n\n" + line + "\n")
-    with pytest.raises(InputError, match=rf"passages.jsonl:3: .*{message}"):
-        load_passages(path)
-
-
-def test_duplicate_ids_missing_and_empty_files_are_refused(tmp_path):
-    path = tmp_path / "dup.jsonl"
-    row = json.dumps({"id": "x", "genre": "news", "text": "Text."})
-    path.write_text(row + "\n" + row + "\n")
-    with pytest.raises(InputError, match=r"dup.jsonl:2: id 'x' already used on line 1"):
-        load_passages(path)
-    with pytest.raises(InputError, match="not found"):
-        load_passages(tmp_path / "missing.jsonl")
-    (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(InputError, match="no passages"):
-        load_passages(tmp_path / "empty.jsonl")

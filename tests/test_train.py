@@ -487,6 +487,8 @@ def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
     assert cli(8, "distill,features") == 0  # the same run goes on: two more prompts
     data = DistilledDataset.open(tmp_path / "ds")
     assert data.num_records() == 8 and len(data.manifest["runs"]) == 1
+    assert data.manifest["runs"][0]["prompt_source"] == "file"
+    assert data.manifest["runs"][0]["prompt_file"] == "prompts.jsonl"
     assert list(data.rows())[:6] == rows
     assert not (tmp_path / "work" / "distill.jsonl").exists()
     assert FeatureStore.open(tmp_path / "work" / "features").num_sequences == 8

@@ -40,7 +40,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workdir", required=True, help="data, features and checkpoints (shared by methods)")
     p.add_argument("--output", help="exported head directory (default WORKDIR/head_<method>)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    p.add_argument("--prompts", help="JSONL of {id, prompt} (default: jaxspec's own training prompt set)")
+    p.add_argument(
+        "--prompts",
+        help="JSONL of {id, prompt[, category]} to distil instead of jaxspec's templated set (e.g. the "
+        "human-written configs/prompts/questions_en.jsonl); a data set records it as prompt source 'file'",
+    )  # fmt: skip
     p.add_argument(
         "--prompt-source", choices=("templated", "magpie", "passages"), default="templated",
         help="templated: jaxspec's task x topic set (or --prompts); magpie: user turns written by the "
@@ -132,11 +136,10 @@ def _prompt_rows(args: argparse.Namespace) -> list[dict]:
 
     exclude = load_prompt_texts(args.exclude) if args.exclude else []
     if args.prompts:
-        from jaxspec.train.distill import read_jsonl_rows
-        from jaxspec.train.prompts import NearDuplicateIndex
+        from jaxspec.train.prompts import NearDuplicateIndex, load_prompt_rows
 
         index = NearDuplicateIndex(exclude)
-        rows = [r for r in read_jsonl_rows(args.prompts, repair=False) if not index.contains(r["prompt"])]
+        rows = [r for r in load_prompt_rows(args.prompts) if not index.contains(r["prompt"])]
     else:
         rows = training_prompts(exclude=exclude, seed=args.seed)
     return rows[: args.num_prompts]
@@ -245,6 +248,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"jaxspec train: {flag} {value} is not a multiple of the data axis of --mesh "
                       f"{args.mesh}", file=sys.stderr)  # fmt: skip
                 return 2
+    prompts = None  # checked before the model loads, so a bad prompt file fails fast
+    if "distill" in stages and args.prompt_source == "passages":
+        prompts = _passage_rows(args)
+    elif "distill" in stages and args.prompt_source == "templated":
+        prompts = _prompt_rows(args)
     model = jaxspec.load(args.model, mesh=mesh)
     timings: dict[str, float] = {}
 
@@ -259,16 +267,15 @@ def run(args: argparse.Namespace) -> int:
     if "distill" in stages:
         sink = workdir / "distill.jsonl"
         if dataset is not None:
+            run_info = {"prompt_source": args.prompt_source}
+            if args.prompt_source == "templated" and args.prompts:
+                run_info = {"prompt_source": "file", "prompt_file": Path(args.prompts).name}
             sink = dataset.writer(
-                prompt_source=args.prompt_source, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                **run_info, seed=args.seed, max_new_tokens=args.max_new_tokens,
                 derived_prompts=args.derived_prompts, sampling="greedy",
             )  # fmt: skip
         if args.prompt_source == "magpie":
             prompts = _magpie_rows(args, model, dataset.path / "prompts" if dataset is not None else workdir)
-        elif args.prompt_source == "passages":
-            prompts = _passage_rows(args)
-        else:
-            prompts = _prompt_rows(args)
         distilled = distill(
             model, prompts, sink, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
             seed=args.seed, progress=progress,

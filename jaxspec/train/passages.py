@@ -7,7 +7,7 @@ learns to follow it only from such answers. The other sources cannot supply them
 wrap the target's own earlier answers, whose wording the head already predicts well (teacher-forced
 depth-1 agreement 0.78 on held-out derived answers against 0.40 on the dev set's passage tasks).
 
-The passages are a file shipped in `configs/prompts/` (`passages_en.jsonl`: 123 passages of 73-101 words
+The passages are a file shipped in `configs/prompts/` (`passages_en.jsonl`: 173 passages of 73-102 words
 in 39 genres: news, emails, reviews, stories, science, history, instructions, ...), written for this
 project by its engineers. Every passage is paired with every task of `PASSAGE_TASKS`, so one passage
 gives the target several different jobs on the same text.
@@ -18,13 +18,11 @@ order shuffled by `seed`, with ids "passage_<passage id>_t<task index>" that do 
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from jaxspec.errors import InputError
-from jaxspec.train.prompts import NearDuplicateIndex
+from jaxspec.train.prompts import NearDuplicateIndex, read_string_rows
 
 PASSAGE_FILE = "prompts/passages_en.jsonl"  # under jaxspec.resources.configs_dir()
 
@@ -54,31 +52,8 @@ def default_passage_file() -> Path:
 def load_passages(path: str | Path) -> list[dict[str, str]]:
     """The passages of a JSONL file, checked: every line an object with non-empty string fields "id",
     "genre" and "text", ids unique. Raises InputError naming the file, line and field."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path}: passage file not found")
-    rows, seen = [], {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise InputError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise InputError(f"{path}:{number}: expected an object with fields {', '.join(FIELDS)}")
-            for field in FIELDS:
-                value = row.get(field)
-                if not isinstance(value, str) or not value.strip():
-                    raise InputError(f"{path}:{number}: field '{field}' must be a non-empty string")
-            if row["id"] in seen:
-                raise InputError(f"{path}:{number}: id '{row['id']}' already used on line {seen[row['id']]}")
-            seen[row["id"]] = number
-            rows.append({field: row[field] for field in FIELDS})
-    if not rows:
-        raise InputError(f"{path}: no passages")
-    return rows
+    rows = read_string_rows(path, FIELDS, "passage")
+    return [{field: row[field] for field in FIELDS} for row in rows]
 
 
 def passage_prompts(

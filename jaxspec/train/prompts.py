@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from jaxspec.errors import InputError
+
 NEAR_DUPLICATE_JACCARD = 0.5
 
 LANGUAGES = ("Python", "JavaScript", "Go", "Rust", "Java", "C++", "TypeScript", "Ruby")
@@ -292,10 +294,49 @@ def is_near_duplicate(text: str, others: Iterable[str], threshold: float = NEAR_
     return NearDuplicateIndex(others, threshold).contains(text)
 
 
-def load_prompt_texts(path: str | Path) -> list[str]:
-    """The "prompt" field of every line of a JSONL file."""
+def read_string_rows(
+    path: str | Path, fields: tuple[str, ...], kind: str, optional: tuple[str, ...] = ()
+) -> list[dict[str, str]]:
+    """The rows of a JSONL file of `kind` ("prompt", "passage"), checked: every line an object whose
+    `fields` (and `optional` fields when present) are non-empty strings, the "id" field unique. Raises
+    InputError naming the file, line and field. Extra fields are kept."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: {kind} file not found")
+    rows: list[dict[str, str]] = []
+    seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InputError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise InputError(f"{path}:{number}: expected an object with fields {', '.join(fields)}")
+            for field in fields + tuple(f for f in optional if f in row):
+                value = row.get(field)
+                if not isinstance(value, str) or not value.strip():
+                    raise InputError(f"{path}:{number}: field '{field}' must be a non-empty string")
+            if row["id"] in seen:
+                raise InputError(f"{path}:{number}: id '{row['id']}' already used on line {seen[row['id']]}")
+            seen[row["id"]] = number
+            rows.append(row)
+    if not rows:
+        raise InputError(f"{path}: no {kind}s")
+    return rows
+
+
+def load_prompt_rows(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a prompt JSONL file ({"id": str, "prompt": str, "category": str (optional)}), checked
+    by `read_string_rows`: errors name the file, line and field."""
+    return read_string_rows(path, ("id", "prompt"), "prompt", optional=("category",))
+
+
+def load_prompt_texts(path: str | Path) -> list[str]:
+    """The "prompt" field of every row of a prompt JSONL file (checked as by `load_prompt_rows`)."""
+    return [row["prompt"] for row in load_prompt_rows(path)]
 
 
 def training_prompts(exclude: Iterable[str] = (), seed: int = 0) -> list[dict[str, str]]:
