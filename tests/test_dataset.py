@@ -59,6 +59,35 @@ def test_round_trip_across_two_runs_is_bit_identical(tmp_path):
     assert len(shard0) < 0.6 * jsonl
 
 
+def test_a_run_records_its_commit_dirty_only_for_changes_outside_the_data_set(tmp_path):
+    """A data set kept in the checkout changes the checkout as it grows; that alone is no code change."""
+    from jaxspec.train.dataset import current_commit
+
+    repo = tmp_path / "repo"
+    (repo / "code").mkdir(parents=True)
+    (repo / "code" / "a.py").write_text("x = 1\n")
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        return out.stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "start")
+    head = git("rev-parse", "HEAD")
+    data = DistilledDataset.open_or_create(repo / "data" / "ds", model="m", vocab_size=100)
+    data.writer(prompt_source="x").append(make_rows(3, vocab=100))
+    assert current_commit(ignore=data.path, checkout=repo) == head
+    assert current_commit(checkout=repo) == head + "+dirty"  # without the exclusion: dirty
+    git("add", "-A")
+    git("commit", "-q", "-m", "data")
+    (repo / "code" / "a.py").write_text("x = 2\n")
+    assert current_commit(ignore=data.path, checkout=repo) == git("rev-parse", "HEAD") + "+dirty"
+    assert current_commit(ignore=tmp_path / "elsewhere", checkout=repo).endswith("+dirty")
+    assert current_commit(checkout=tmp_path) == ""  # not a checkout
+
+
 def test_large_vocabulary_uses_int32_tokens(tmp_path):
     rows = make_rows(3, vocab=200_000)
     data = DistilledDataset.open_or_create(tmp_path / "ds", model="m", vocab_size=200_000)

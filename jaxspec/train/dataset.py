@@ -122,21 +122,34 @@ def _write_json_atomic(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
-def current_commit() -> str:
-    """The checkout's commit (with "+dirty" when it has changes), or "" outside a git checkout."""
-    here = Path(__file__).resolve().parent
+def current_commit(ignore: Path | None = None, checkout: Path | None = None) -> str:
+    """The commit of `checkout` (default: jaxspec's own), with "+dirty" when it has changes outside
+    `ignore` (a data set being written lives in the checkout, and its own new shards are no code change);
+    "" outside a git checkout."""
+    here = Path(checkout or Path(__file__).resolve().parent)
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True, timeout=10
+        head, top, status = (
+            git("rev-parse", "HEAD"),
+            git("rev-parse", "--show-toplevel"),
+            git("status", "--porcelain", "--untracked-files=all"),
         )
     except (OSError, subprocess.SubprocessError):
         return ""
     if head.returncode != 0:
         return ""
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    changed = [line[3:].split(" -> ")[-1].strip('"') for line in status.stdout.splitlines() if line.strip()]
+    if ignore is not None and top.returncode == 0:
+        try:
+            skip = Path(ignore).resolve().relative_to(Path(top.stdout.strip()).resolve()).as_posix()
+        except ValueError:  # the data set is outside the checkout: nothing of it shows in the status
+            skip = None
+        if skip is not None:
+            changed = [c for c in changed if not (c.rstrip("/") == skip or c.startswith(skip + "/"))]
+    return head.stdout.strip() + ("+dirty" if changed else "")
 
 
 class DistilledDataset:
@@ -209,7 +222,7 @@ class DistilledDataset:
         """Start appending a new run (its own shard) described by `info` (prompt_source, seed, ...)."""
         name = f"{len(self.manifest['runs']):05d}.jsd"
         run = {"shard": name, "records": 0, "prompt_tokens": 0, "response_tokens": 0,
-               "commit": current_commit(), "complete": False, **info}  # fmt: skip
+               "commit": current_commit(ignore=self.path), "complete": False, **info}  # fmt: skip
         self.manifest["runs"].append(run)
         _write_json_atomic(self.path / MANIFEST, self.manifest)
         return DatasetWriter(self, len(self.manifest["runs"]) - 1)
