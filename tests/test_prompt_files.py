@@ -85,6 +85,14 @@ def test_duplicate_ids_missing_and_empty_files_are_refused(tmp_path, load, good,
         load(tmp_path / "empty.jsonl")
 
 
+def test_an_exclude_file_needs_prompts_but_no_ids(tmp_path):
+    path = tmp_path / "exclude.jsonl"
+    path.write_text(json.dumps({"prompt": "First?"}) + "\n" + json.dumps({"prompt": "Second?"}) + "\n")
+    assert load_prompt_texts(path) == ["First?", "Second?"]
+    with pytest.raises(InputError, match=r"exclude.jsonl:1: field 'id'"):
+        load_prompt_rows(path)
+
+
 def test_train_cli_names_the_bad_prompt_line_before_loading_anything(tmp_path, capsys):
     from jaxspec.cli import main
 

@@ -298,8 +298,8 @@ def read_string_rows(
     path: str | Path, fields: tuple[str, ...], kind: str, optional: tuple[str, ...] = ()
 ) -> list[dict[str, str]]:
     """The rows of a JSONL file of `kind` ("prompt", "passage"), checked: every line an object whose
-    `fields` (and `optional` fields when present) are non-empty strings, the "id" field unique. Raises
-    InputError naming the file, line and field. Extra fields are kept."""
+    `fields` (and `optional` fields when present) are non-empty strings, the "id" field unique when it
+    is one of `fields`. Raises InputError naming the file, line and field. Extra fields are kept."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: {kind} file not found")
@@ -319,9 +319,12 @@ def read_string_rows(
                 value = row.get(field)
                 if not isinstance(value, str) or not value.strip():
                     raise InputError(f"{path}:{number}: field '{field}' must be a non-empty string")
-            if row["id"] in seen:
-                raise InputError(f"{path}:{number}: id '{row['id']}' already used on line {seen[row['id']]}")
-            seen[row["id"]] = number
+            if "id" in fields:
+                if row["id"] in seen:
+                    raise InputError(
+                        f"{path}:{number}: id '{row['id']}' already used on line {seen[row['id']]}"
+                    )
+                seen[row["id"]] = number
             rows.append(row)
     if not rows:
         raise InputError(f"{path}: no {kind}s")
@@ -335,8 +338,9 @@ def load_prompt_rows(path: str | Path) -> list[dict[str, str]]:
 
 
 def load_prompt_texts(path: str | Path) -> list[str]:
-    """The "prompt" field of every row of a prompt JSONL file (checked as by `load_prompt_rows`)."""
-    return [row["prompt"] for row in load_prompt_rows(path)]
+    """The "prompt" field of every line of a JSONL file (e.g. an --exclude set; ids not needed), checked
+    by `read_string_rows`: errors name the file, line and field."""
+    return [row["prompt"] for row in read_string_rows(path, ("prompt",), "prompt")]
 
 
 def training_prompts(exclude: Iterable[str] = (), seed: int = 0) -> list[dict[str, str]]:
