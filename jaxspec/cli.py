@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--prompt", action="append", help="your own prompt instead of the built-in ones")
     args, rest = parser.parse_known_args(argv)
+    from jaxspec.compile_cache import enable_compile_cache
+
+    enable_compile_cache(getattr(args, "compile_cache", None))
     try:
         if args.command == "generate" and args.input:
             from jaxspec.batch.job import main as batch_main

@@ -47,6 +47,7 @@ import jax
 import jaxspec
 from jaxspec.batch.summary import peak_rss_kib
 from jaxspec.bench.compute_bound import dense_product_rate, token_flops, workload_flops
+from jaxspec.compile_cache import enable_compile_cache
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.policy import PolicyRule, SpeculationPolicy, choose_spec, describe_spec, load_policy
 from jaxspec.model.buckets import length_bucket
@@ -363,7 +364,11 @@ def main() -> None:
     p.add_argument("--mixed-budgets", type=int_list, default=[16, 32, 64, 128])
     p.add_argument("--slots", type=int_list, default=[16, 64], help="--continuous: slots = batch sizes")
     p.add_argument("--peer", action="store_true", help="--continuous: also transformers batched generate")
-    p.add_argument("--compilation-cache", default=None, help="JAX persistent compilation cache directory")
+    p.add_argument(
+        "--compilation-cache",
+        default=None,
+        help="JAX persistent compilation cache directory (`jaxspec.compile_cache`)",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args()
     if len(args.batches) == 1:
@@ -372,7 +377,7 @@ def main() -> None:
         p.error("--batches: give one count, or one per --batch-sizes entry")
     args.batches = dict(zip(args.batch_sizes, args.batches, strict=True))
     if args.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        enable_compile_cache(args.compilation_cache)
     model = jaxspec.load(args.model)
     prompts = load_prompts(args.prompts, model, chat=not args.no_chat)
     load_before = os.getloadavg()[0]

@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The command line caches compiled programs on disk by default (`jaxspec.compile_cache`); tests that call it
+# in-process stay hermetic (tests/test_compile_cache.py turns it on where it is the subject).
+os.environ.setdefault("JAXSPEC_COMPILE_CACHE", "off")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -19,7 +19,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "jaxspec"
 
 # Top level of jaxspec/: the public API and the few cross-cutting modules; everything else has a home in
 # a subpackage named for what it is.
-TOP_LEVEL_MODULES = {"__init__", "cli", "config", "distributed", "errors", "resources", "sharding"}
+TOP_LEVEL_MODULES = {
+    "__init__", "cli", "compile_cache", "config", "distributed", "errors", "resources", "sharding"
+}  # fmt: skip
 SUBPACKAGES = {"batch", "bench", "decoding", "drafters", "loading", "model", "sampling", "train"}
 HEAD_FAMILIES = {"eagle", "medusa", "mtp"}  # drafters/heads/<family>/: module(s), drafter, loader
 

@@ -62,7 +62,8 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
     p.add_argument("--out-dir", default=None, help="write bench.md, bench.json and PNG plots here")
     p.add_argument(
         "--compile-cache", default=None,
-        help="JAX persistent compilation cache directory (a rerun skips most compilation)",
+        help="JAX persistent compilation cache directory, or 'off' (default: $JAXSPEC_COMPILE_CACHE, else "
+        "~/.cache/jaxspec/xla; `jaxspec.compile_cache`)",
     )  # fmt: skip
 
 
@@ -150,10 +151,6 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     from jaxspec.loading.registry import resolve_model_path
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if args.compile_cache:
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     model = jaxspec.load(args.model)
     prompts = runner.read_prompts(args.prompts, model, chat=not args.no_chat, limit=args.limit)
     methods = runner.parse_methods(args.methods, args.draft_lengths)
