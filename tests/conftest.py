@@ -2,7 +2,11 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla_flags import FAST_COMPILE, xla_flags  # noqa: E402
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:  # tests/xla_flags.py says why
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The command line caches compiled programs on disk by default (`jaxspec.compile_cache`); tests that call it
 # in-process stay hermetic (tests/test_compile_cache.py turns it on where it is the subject).

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_models import save_tiny
+from tests.xla_flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "scripts" / "multihost_demo.py"
@@ -31,7 +32,7 @@ def run_two_processes(tmp_path: Path, model_dir: Path, spec: str, extra: list[st
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(PROMPTS))
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not the parent's 8 fake devices
+    env = dict(os.environ, XLA_FLAGS=xla_flags())  # not the parent's 8 fake devices
     env["JAX_PLATFORMS"] = "cpu"
     procs, outputs = [], []
     for i in range(2):

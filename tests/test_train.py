@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxspec.train.distill import append_jsonl_rows, read_jsonl_rows
+from tests.xla_flags import xla_flags
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 320
@@ -268,9 +269,7 @@ def _cli(workdir: Path, tiny: Path, *extra: str) -> list[str]:
 
 
 def _env() -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    return env
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), XLA_FLAGS=xla_flags())
 
 
 @pytest.mark.slow

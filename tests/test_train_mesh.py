@@ -21,6 +21,7 @@ from jaxspec.train import trainer
 from tests import test_train as one_device_tests
 from tests.test_sharding import collective_ops, collective_shapes
 from tests.test_train import REPO, _env
+from tests.xla_flags import xla_flags
 
 # The tiny target (4 query heads, 2 kv heads: attention sharded on model=2), its self-distilled rows and
 # their feature store: the one-device training tests' fixtures.
@@ -360,7 +361,7 @@ def test_cli_mesh_trains_exports_and_reports_throughput(tiny, rows, store, tmp_p
         "--depth", "2", "--num-positions", "8", "--max-len", "32", "--log-every", "3", "--mesh", "4x2",
         "--save-dtype", "float32", "--no-progress", "--output", str(tmp_path / "head"),
     ]  # fmt: skip
-    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(_env(), XLA_FLAGS=xla_flags(8))
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     info = json.loads((tmp_path / "head" / "training.json").read_text())
@@ -380,7 +381,7 @@ def start_two_processes(command: list[str], **popen) -> list[subprocess.Popen]:
     from tests.test_multihost import free_port
 
     env = dict(_env(), JAX_NUM_CPU_DEVICES="4", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")  # fmt: skip
+               XLA_FLAGS=xla_flags(4))  # fmt: skip
     flags = ["--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     return [
         subprocess.Popen(command + flags + ["--process-id", str(i)], env=env, cwd=REPO, **popen)
@@ -414,7 +415,7 @@ def test_two_processes_extract_train_and_export_on_one_global_mesh(tiny, rows, s
         ]  # fmt: skip
 
     single, pair = workdir("single"), workdir("pair")
-    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(_env(), XLA_FLAGS=xla_flags(8))
     done = subprocess.run(command(single), env=env, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -496,7 +497,7 @@ def test_sigkill_of_one_process_then_rerun_of_both_loses_nothing(tiny, rows, sto
         "--steps", "30", "--batch-size", "8", "--depth", "2", "--num-positions", "8", "--max-len", "32",
         "--log-every", "1", "--checkpoint-every", "5", "--mesh", "2x4", "--no-progress", "--stages", "train",
     ]  # fmt: skip
-    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(_env(), XLA_FLAGS=xla_flags(8))
     single = subprocess.Popen(args + ["--workdir", str(dirs["single"])], env=env, cwd=REPO,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
