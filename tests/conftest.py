@@ -2,7 +2,7 @@
 
 import os
 
-from tests.xla_flags import FAST_COMPILE, xla_flags  # noqa: E402
+from tests.xla_flags import FAST_COMPILE, xla_flags
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:  # tests/xla_flags.py says why

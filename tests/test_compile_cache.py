@@ -33,9 +33,8 @@ print(json.dumps({"path": str(path), "hits": len(hits)}))
 
 
 def _run(code: str, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    env.pop(ENV_VAR, None)
-    env.update(env_extra or {})
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}  # conftest's "off" stays with the tests
+    env.update(PYTHONPATH=str(REPO), **(env_extra or {}))
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
 
 
