@@ -337,7 +337,8 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None, rules: ShardingRules = DE
 
 
 def constrain_head_cache(cache: Any, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES) -> Any:
-    """Pin a draft head's cache: keys/values [B, Hkv, S, D], or [M, B, Hkv, S, D] (one per MTP module)."""
+    """Pin a draft head's cache: keys/values [B, Hkv, S, D], or [M, B, Hkv, S, D] (one per MTP module or
+    EAGLE decoder layer)."""
 
     lead = cache.batch_axis
 

@@ -71,6 +71,20 @@ SHAPES = {
         "topk": 2,
         "extra": VOCAB3,
     },
+    # vLLM's multi-layer EAGLE-3: one key set per decoder layer in the cache and the round's buffers.
+    "eagle3-2layers-chain": {
+        "method": "eagle3",
+        "head": "random",
+        "num_speculative_tokens": DEPTH,
+        "extra": VOCAB3 + (("eagle3_num_layers", 2),),
+    },
+    "eagle3-2layers-tree": {
+        "method": "eagle3",
+        "head": "random",
+        "num_speculative_tokens": DEPTH,
+        "topk": 2,
+        "extra": VOCAB3 + (("eagle3_num_layers", 2),),
+    },
     "mtp-chain": {
         "method": "mtp",
         "head": "random",

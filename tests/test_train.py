@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -685,6 +687,83 @@ def test_init_from_head_starts_from_the_exported_head_and_its_vocabulary(
     capsys.readouterr()
     assert cli(tmp_path / "medusa", "head2") == 2
     assert f"{tmp_path / 'medusa'}: holds a medusa head, not eagle3" in capsys.readouterr().err
+
+
+def test_head_layers_grows_an_eagle3_head_that_starts_as_the_head_it_grows(
+    tiny, tiny_model, rows, tmp_path, capsys
+):
+    """`--init-from-head DIR --head-layers 2`: the step-0 head has two decoder layers, DIR's weights
+    everywhere DIR has them and an added layer whose residual branches are zero, so its teacher-forced
+    features and draft logits equal DIR's exactly (and stop doing so once that layer moves); fewer
+    layers than DIR has, or the flag on another method, is refused before any work."""
+    from flax import nnx
+
+    from jaxspec.cli import main
+    from jaxspec.drafters.heads.configs import default_eagle3_layers
+    from jaxspec.drafters.heads.eagle.eagle import eagle_sequence_forward
+    from jaxspec.train.export import load_saved_head, save_head
+    from jaxspec.train.head_setup import draft_ids_of, head_config_for, init_from_target, new_head
+
+    layers = default_eagle3_layers(tiny_model.config.num_layers)
+    config = head_config_for("eagle3", tiny_model.config, depth=2, draft_vocab_size=128, eagle3_layers=layers)
+    vocab = np.sort(np.random.default_rng(5).choice(VOCAB, 128, replace=False))
+    source = new_head(config, seed=7, draft_ids=vocab)
+    save_head(tmp_path / "src", config, source.graphdef, source.params, dtype="float32")
+    work = tmp_path / "work"
+    work.mkdir()
+    append_jsonl_rows(work / "distill.jsonl", rows)
+
+    def cli(head: Path, out: str, head_layers: int, method: str = "eagle3") -> int:
+        return main([
+            "train", "--method", method, "--model", str(tiny), "--workdir", str(work), "--stages",
+            "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
+            "--num-positions", "8", "--batch-size", "8", "--save-dtype", "float32", "--no-progress",
+            "--output", str(work / out), "--init-from-head", str(head), "--head-layers", str(head_layers),
+        ])  # fmt: skip
+
+    assert cli(tmp_path / "src", "head", 2) == 0
+    grown = load_saved_head(work / "head")
+    assert grown.config.layer.num_layers == 2 and grown.config.draft_vocab_size == 128
+    old, new = nnx.merge(source.graphdef, source.params), nnx.merge(grown.graphdef, grown.params)
+    np.testing.assert_array_equal(draft_ids_of(grown), vocab)
+    for name in ("fc", "layer", "norm", "lm_head"):
+        for x, y in zip(jax.tree.leaves(nnx.state(getattr(old, name))),
+                        jax.tree.leaves(nnx.state(getattr(new, name))), strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    added = new.later_layers[0]
+    assert not np.any(np.asarray(added.self_attn.o_proj.kernel[...]))
+    assert not np.any(np.asarray(added.mlp.down_proj.kernel[...]))
+    assert np.any(np.asarray(added.self_attn.q_proj.kernel[...]))  # seeded, not zero: it can learn
+
+    rng = np.random.default_rng(0)
+    d = tiny_model.config.hidden_size
+    embeddings = jnp.asarray(rng.normal(size=(2, 9, d)), jnp.float32)
+    features = jnp.asarray(rng.normal(size=(2, 9, 3 * d)), jnp.float32)
+
+    def drafts(head):
+        out = eagle_sequence_forward(head.graphdef, head.params, embeddings, features)
+        return np.asarray(out), np.asarray(nnx.merge(head.graphdef, head.params).draft_logits(out))
+
+    for x, y in zip(drafts(source), drafts(grown), strict=True):
+        np.testing.assert_array_equal(x, y)
+    before = drafts(grown)[1]
+    moved = nnx.merge(grown.graphdef, jax.tree.map(jnp.copy, grown.params))
+    moved.later_layers[0].mlp.down_proj.kernel[...] += 0.05
+    _, params = nnx.split(moved)
+    assert not np.allclose(before, drafts(dataclasses.replace(grown, params=params))[1])
+
+    # From the target: the later layer starts as the identity too, i.e. as the one-layer head from it.
+    one = init_from_target(source, tiny_model.graphdef, tiny_model.params)
+    two_config = dataclasses.replace(config, layer=config.layer.replace(num_layers=2))
+    fresh = new_head(two_config, seed=7, draft_ids=vocab)
+    two = init_from_target(fresh, tiny_model.graphdef, tiny_model.params)
+    np.testing.assert_array_equal(drafts(one)[1], drafts(two)[1])
+
+    capsys.readouterr()
+    assert cli(work / "head", "head1", 1) == 2
+    assert "cannot shrink to 1" in capsys.readouterr().err
+    assert cli(tmp_path / "src", "head_m", 2, method="medusa") == 2
+    assert "--head-layers 2" in capsys.readouterr().err and not (work / "head_m").exists()
 
 
 def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trained_columns(

@@ -149,7 +149,8 @@ def commit_path(cache: KVCache, path: jax.Array, num_committed: jax.Array, windo
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class HeadCache:
-    """A head's committed keys/values: [B, Hkv, S, D] (or [M, B, Hkv, S, D], one per MTP module)."""
+    """A head's committed keys/values: [B, Hkv, S, D], or [M, B, Hkv, S, D] with one per MTP module or
+    per EAGLE decoder layer."""
 
     keys: jax.Array
     values: jax.Array

@@ -96,6 +96,12 @@ def add_parser(subparsers) -> None:
         "draft vocabulary instead of fresh ones (--init-from-target does not apply; --draft-vocab "
         "re-selects the vocabulary)",
     )  # fmt: skip
+    p.add_argument(
+        "--head-layers", type=int, default=None,
+        help="EAGLE-3: decoder layers of the head (default 1, or the --init-from-head head's); more than "
+        "the --init-from-head head has grows it: the added layers start as the identity (zeroed residual "
+        "branches), so training starts from exactly the head it grows",
+    )  # fmt: skip
     p.add_argument("--medusa-layers", type=int, default=1)
     p.add_argument("--mtp-modules", type=int, default=1)
     p.add_argument("--backbone-weight", type=float, default=0.0, help="MTP: >0 trains the target jointly")
@@ -221,6 +227,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"jaxspec train: --init-from-target {args.init_from_target}: {EAGLE1_FROM_TARGET}",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.head_layers is not None and (args.method != "eagle3" or args.head_layers < 1):
+        print(f"jaxspec train: --head-layers {args.head_layers}: an EAGLE-3 head's decoder layers (>= 1); "
+              f"a {args.method} head has no such choice" if args.method != "eagle3" else
+              f"jaxspec train: --head-layers {args.head_layers}: a head needs at least one decoder layer",
+              file=sys.stderr)  # fmt: skip
+        return 2
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     output = Path(args.output or workdir / f"head_{args.method}")
@@ -336,12 +348,20 @@ def run(args: argparse.Namespace) -> int:
             except (InputError, ModelLoadError, ValueError) as error:
                 print(f"jaxspec train: --init-from-head {error}", file=sys.stderr)
                 return 2
+            if args.head_layers is not None:
+                from jaxspec.train.head_setup import with_decoder_layers
+
+                try:
+                    start_head = with_decoder_layers(start_head, args.head_layers, seed=args.seed)
+                except ValueError as error:
+                    print(f"jaxspec train: --head-layers: {error}", file=sys.stderr)
+                    return 2
             config = start_head.config
         else:
             config = head_config_for(
                 args.method, model.config, depth=args.depth,
                 medusa_layers=args.medusa_layers, mtp_modules=args.mtp_modules, eagle3_layers=capture,
-                draft_vocab_size=args.draft_vocab or DEFAULT_DRAFT_VOCAB,
+                draft_vocab_size=args.draft_vocab or DEFAULT_DRAFT_VOCAB, head_layers=args.head_layers or 1,
             )  # fmt: skip
         draft_ids = None
         if args.method == "eagle3":  # fixed at the first run: more data later must not change it

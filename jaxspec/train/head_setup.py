@@ -42,9 +42,12 @@ def draft_vocabulary(rows: Sequence[dict], vocab_size: int, size: int) -> np.nda
 
 def head_config_for(
     method: str, target: ModelConfig, *, depth: int, draft_vocab_size: int = 8192, medusa_layers: int = 1,
-    mtp_modules: int = 1, eagle3_layers: tuple[int, ...] | None = None,
+    mtp_modules: int = 1, eagle3_layers: tuple[int, ...] | None = None, head_layers: int = 1,
 ) -> HeadConfig:  # fmt: skip
-    """A head config for `target`; Medusa shares the target's LM head (trains in minutes on a CPU)."""
+    """A head config for `target`; Medusa shares the target's LM head (trains in minutes on a CPU).
+    head_layers: EAGLE-3's decoder layers (the others have one)."""
+    if head_layers != 1 and method != "eagle3":
+        raise ValueError(f"only an EAGLE-3 head has a choice of decoder layers, not a {method} head")
     layer = head_layer_config(target)
     if method == "medusa":
         return MedusaConfig(
@@ -55,7 +58,7 @@ def head_config_for(
         return EagleConfig(layer=layer)
     if method == "eagle3":
         return Eagle3Config(
-            layer=layer, target_hidden_size=target.hidden_size,
+            layer=layer.replace(num_layers=head_layers), target_hidden_size=target.hidden_size,
             draft_vocab_size=min(draft_vocab_size, target.vocab_size),
             target_layers=tuple(eagle3_layers or default_eagle3_layers(target.num_layers)),
         )  # fmt: skip
@@ -132,7 +135,7 @@ def with_draft_vocabulary(
     fresh = new_head(config, draft_ids=draft_ids)
     module = nnx.merge(fresh.graphdef, fresh.params)
     old = nnx.merge(head.graphdef, head.params)
-    for name in ("fc", "layer", "norm", "embed_tokens"):
+    for name in ("fc", "layer", "later_layers", "norm", "embed_tokens"):
         if hasattr(old, name):
             setattr(module, name, getattr(old, name))
     old_ids = draft_ids_of(head)
@@ -151,6 +154,44 @@ def with_draft_vocabulary(
     graphdef, params = nnx.split(module)
     resized = f"draft vocabulary {old_ids.shape[0]} -> {draft_ids.shape[0]}, {int(kept.sum())} kept"
     source = f"{head.source} ({resized})"
+    return DraftHead(config=config, graphdef=graphdef, params=params, source=source)
+
+
+def _zero_residual_branches(layer) -> None:
+    """Zero a decoder layer's attention-output and MLP-down projections: on the residual stream the
+    layer is then the identity (its other weights still get gradients once those move)."""
+    layer.self_attn.o_proj.kernel[...] = jnp.zeros_like(layer.self_attn.o_proj.kernel[...])
+    layer.mlp.down_proj.kernel[...] = jnp.zeros_like(layer.mlp.down_proj.kernel[...])
+
+
+def with_decoder_layers(head: DraftHead, num_layers: int, *, seed: int = 0) -> DraftHead:
+    """The EAGLE-3 `head` grown to `num_layers` decoder layers: its own layers and every other weight
+    kept, each added layer (a standard Llama layer after the existing ones, vLLM's multi-layer EAGLE-3)
+    seeded at random with its residual branches zeroed, so the grown head drafts exactly what `head`
+    does until training moves them. Raises ValueError for another method or fewer layers."""
+    from flax import nnx
+
+    if not isinstance(head.config, Eagle3Config):
+        raise ValueError(f"only an EAGLE-3 head can grow decoder layers, not a {method_of(head.config)} head")
+    have = head.config.layer.num_layers
+    if num_layers < have:
+        raise ValueError(f"{head.source}: has {have} decoder layers; a head cannot shrink to {num_layers}")
+    if num_layers == have:
+        return head
+    config = dataclasses.replace(head.config, layer=head.config.layer.replace(num_layers=num_layers))
+    grown = new_head(config, seed=seed, draft_ids=draft_ids_of(head))
+    module = nnx.merge(grown.graphdef, grown.params)
+    old = nnx.merge(head.graphdef, head.params)
+    for name in ("fc", "layer", "norm", "lm_head", "embed_tokens"):
+        if hasattr(old, name):
+            setattr(module, name, getattr(old, name))
+    for index, layer in enumerate(module.later_layers):
+        if index < len(old.later_layers):
+            module.later_layers[index] = old.later_layers[index]
+        else:
+            _zero_residual_branches(layer)
+    graphdef, params = nnx.split(module)
+    source = f"{head.source} (decoder layers {have} -> {num_layers})"
     return DraftHead(config=config, graphdef=graphdef, params=params, source=source)
 
 
@@ -199,7 +240,9 @@ def init_from_target(head: DraftHead, target_graphdef, target_params, *, layers:
 
     EAGLE-3's draft LM head starts as the target's LM-head rows of the draft vocabulary and its final
     norm as the target's; with `layers`, every head decoder layer (EAGLE-3's, each MTP module's block)
-    starts as the target's last decoder layer, and MTP's final norm as the target's.
+    starts as the target's last decoder layer, and MTP's final norm as the target's; an EAGLE-3 head of
+    several decoder layers starts its first (the fused-input midlayer) from the target's last layer and
+    the later ones as the identity (`_zero_residual_branches`), i.e. as the one-layer head from the target.
     """
     from flax import nnx
 
@@ -228,5 +271,7 @@ def init_from_target(head: DraftHead, target_graphdef, target_params, *, layers:
         module.norm.weight[...] = target.norm.weight[...]
     if layers:
         _copy_decoder_layer(module.layer, last)
+        for later in getattr(module, "later_layers", ()):
+            _zero_residual_branches(later)
     graphdef, params = nnx.split(module)
     return dataclasses.replace(head, graphdef=graphdef, params=params, source=head.source + " from target")

@@ -261,7 +261,7 @@ class Objective:
                 empty = jnp.zeros((b, layer.num_kv_heads, 0, layer.head_dim), hidden.dtype)
                 inputs = AttentionInputs(
                     empty, empty, jnp.zeros((b, 1, 0), bool), eye,
-                    jnp.concatenate(keys, axis=2), jnp.concatenate(values, axis=2),
+                    jnp.concatenate(keys, axis=-2), jnp.concatenate(values, axis=-2),
                     jnp.broadcast_to(jnp.concatenate(visible, axis=1), (b, n, n * s)),
                 )  # fmt: skip
             out, k, v = head(embeddings, hidden, positions, inputs)

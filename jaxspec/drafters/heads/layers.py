@@ -12,6 +12,10 @@ a window of MTP positions per tree path. Queries attend to three key sets, each 
   own   [B, Hkv, N, D]   the queries' own keys (own_visible [B, N, N] or [N, N]); the diagonal is
                          always visible, so no row is empty.
 
+A head of several decoder layers (EAGLE-3 with `layer.num_layers` > 1) keeps one key set per layer:
+cache and extra keys/values then carry a leading layer axis [L, B, Hkv, ., D] (the visibility masks are
+the same for every layer), and `AttentionInputs.layer(i)` is what layer i attends with.
+
 The head's KV cache holds committed tokens only; speculative keys live in per-round buffers (`extra`)
 and are dropped after the round, so rejected drafts never pollute the cache.
 """
@@ -45,6 +49,21 @@ class AttentionInputs:
     extra_keys: jax.Array | None = None
     extra_values: jax.Array | None = None
     extra_visible: jax.Array | None = None
+
+    def layer(self, index: int) -> AttentionInputs:
+        """The key sets of decoder layer `index`: key/value arrays with a leading layer axis
+        [L, B, Hkv, ., D] are indexed there; 4-D ones (one layer, or empty sets) are every layer's."""
+
+        def pick(x: jax.Array | None) -> jax.Array | None:
+            return x[index] if x is not None and x.ndim == 5 else x
+
+        return dataclasses.replace(
+            self,
+            cache_keys=pick(self.cache_keys),
+            cache_values=pick(self.cache_values),
+            extra_keys=pick(self.extra_keys),
+            extra_values=pick(self.extra_values),
+        )
 
     def __call__(
         self, q: jax.Array, k: jax.Array, v: jax.Array

@@ -13,7 +13,8 @@ random head (correctness tests, cost measurements; quality needs a trained head)
 
 Optional SpecConfig.extra keys: "seed" (random heads, default 0), "medusa_num_heads",
 "medusa_num_layers" (1), "medusa_own_lm_head" (False: share the target's), "draft_vocab_size"
-(EAGLE-3, default min(V, 32000)), "eagle3_layers" (default `default_eagle3_layers`), "mtp_num_modules" (1),
+(EAGLE-3, default min(V, 32000)), "eagle3_layers" (default `default_eagle3_layers`), "eagle3_num_layers"
+(the EAGLE-3 head's decoder layers, 1), "mtp_num_modules" (1),
 "tree_preset".
 
 Draft parameters: {"head": head parameters, "hook": hook parameters or ()}; a logits hook (see
@@ -92,7 +93,7 @@ def random_head_config(model, spec: SpecConfig) -> HeadConfig:
     if spec.method == "eagle3":
         layers = extra.get("eagle3_layers") or default_eagle3_layers(target.num_layers)
         return Eagle3Config(
-            layer=layer,
+            layer=layer.replace(num_layers=int(extra.get("eagle3_num_layers", 1))),
             target_hidden_size=target.hidden_size,
             draft_vocab_size=int(extra.get("draft_vocab_size", min(target.vocab_size, 32000))),
             target_layers=tuple(int(i) for i in layers),

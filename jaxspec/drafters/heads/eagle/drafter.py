@@ -15,7 +15,8 @@ Each round:
      Tree: `dynamic_tree`, the depth-s frontier (topk nodes) runs at position c + s - 1, each node seeing
      the committed cache, its ancestors' buffered keys and itself.
 The prompt's pairs are built in `init` from the prefill features; the pair of the first token waits as
-the pending chunk of round 1.
+the pending chunk of round 1. Keys and values carry a leading axis of the head's decoder layers ([L, B,
+Hkv, ., D]: one for EAGLE-1, `layer.num_layers` for EAGLE-3), in the cache and in the round's buffers.
 """
 
 from __future__ import annotations
@@ -43,10 +44,16 @@ from jaxspec.sampling.tree import gather_nodes
 from jaxspec.sampling.verify import emitted_tokens
 
 
+def _write_layers(buffer: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+    """`write_window` for every decoder layer: buffer [L, B, Hkv, S, D], new [L, B, Hkv, N, D] at each
+    row's `lengths` [B]."""
+    return jax.vmap(write_window, in_axes=(0, 0, None))(buffer, new, lengths)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EagleState:
-    """cache: committed pairs' keys/values [B, Hkv, S, D]; length [B]: committed pairs.
+    """cache: committed pairs' keys/values [L, B, Hkv, S, D]; length [B]: committed pairs.
     pending_features [B, depth + 1, F] raw target features, pending_tokens [B, depth + 1], pending_count
     [B]: the pairs committed by the last round, not yet in the cache."""
 
@@ -107,10 +114,10 @@ class EagleDrafter(ChainOrDynamicTreeShape):
         _, k, v = head(
             head.embed(following, target.embed), head.project_target_features(raw), positions, inputs
         )
-        shape = (batch, layer.num_kv_heads, max_len + self.depth + 1, layer.head_dim)
+        shape = (k.shape[0], batch, layer.num_kv_heads, max_len + self.depth + 1, layer.head_dim)
         zeros = jnp.zeros(shape, dtype)
         start = jnp.zeros((batch,), jnp.int32)
-        cache = HeadCache(keys=write_window(zeros, k, start), values=write_window(zeros, v, start))
+        cache = HeadCache(keys=_write_layers(zeros, k, start), values=_write_layers(zeros, v, start))
         last = jnp.take_along_axis(raw, (lengths - 1)[:, None, None], axis=1)  # [B, 1, F]
         pending = jnp.zeros((batch, self.depth + 1, raw.shape[-1]), raw.dtype).at[:, :1].set(last)
         pending_tokens = jnp.zeros((batch, self.depth + 1), jnp.int32).at[:, 0].set(pre.first_token)
@@ -125,7 +132,7 @@ class EagleDrafter(ChainOrDynamicTreeShape):
     def propose(self, draft_params, target_params, state: EagleState, ctx: RoundContext):
         head, target = self._modules(draft_params, target_params)
         batch, n = state.pending_tokens.shape
-        slots = jnp.arange(state.cache.keys.shape[2])
+        slots = jnp.arange(state.cache.keys.shape[3])
 
         # 1. commit last round's pairs as one causal chunk.
         positions = state.length[:, None] + jnp.arange(n)[None, :]
@@ -139,8 +146,8 @@ class EagleDrafter(ChainOrDynamicTreeShape):
         features = head.project_target_features(state.pending_features)
         out, k, v = head(head.embed(state.pending_tokens, target.embed), features, positions, inputs)
         cache = HeadCache(
-            keys=write_window(state.cache.keys, k, state.length),
-            values=write_window(state.cache.values, v, state.length),
+            keys=_write_layers(state.cache.keys, k, state.length),
+            values=_write_layers(state.cache.values, v, state.length),
         )
         count = state.pending_count
         length = state.length + count
@@ -170,16 +177,18 @@ class EagleDrafter(ChainOrDynamicTreeShape):
         root = root_token(ctx)
         layer = self.config.layer
         if not self.is_tree:
-            buffer = jnp.zeros((batch, layer.num_kv_heads, max(self.depth - 1, 1), layer.head_dim), k.dtype)
+            buffer = jnp.zeros(
+                (k.shape[0], batch, layer.num_kv_heads, max(self.depth - 1, 1), layer.head_dim), k.dtype
+            )
 
             def chain_step(carry, token, step):
                 hidden, buf_k, buf_v = carry
                 visible = jnp.broadcast_to(
-                    jnp.arange(buf_k.shape[2])[None, None, :] < step - 1, (batch, 1, buf_k.shape[2])
+                    jnp.arange(buf_k.shape[3])[None, None, :] < step - 1, (batch, 1, buf_k.shape[3])
                 )
                 out, kk, vv = run(token[:, None], hidden[:, None], length + step - 1, buf_k, buf_v, visible)
-                buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), step - 1, axis=2)
-                buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), step - 1, axis=2)
+                buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), step - 1, axis=3)
+                buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), step - 1, axis=3)
                 logits = self._logits(head, target, vocab, draft_params, out[:, 0], c + step + 1)
                 return logits, (out[:, 0], buf_k, buf_v)
 
@@ -191,15 +200,15 @@ class EagleDrafter(ChainOrDynamicTreeShape):
 
         width = self.topk
         slots_total = max(self.depth - 1, 1) * width
-        buffer = jnp.zeros((batch, layer.num_kv_heads, slots_total, layer.head_dim), k.dtype)
+        buffer = jnp.zeros((k.shape[0], batch, layer.num_kv_heads, slots_total, layer.head_dim), k.dtype)
 
         def tree_step(carry, tokens, source, step):
             outs, ancestors, buf_k, buf_v = carry
             hidden, seen = gather_nodes(outs, source), gather_nodes(ancestors, source)
             out, kk, vv = run(tokens, hidden, length + step - 1, buf_k, buf_v, seen)
             offset = (step - 1) * width
-            buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), offset, axis=2)
-            buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), offset, axis=2)
+            buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), offset, axis=3)
+            buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), offset, axis=3)
             own = jnp.arange(slots_total)[None, :] == offset + jnp.arange(width)[:, None]  # [K, T]
             logits = self._logits(head, target, vocab, draft_params, out, (c + step + 1)[:, None])
             return candidate_scores(logits, ctx.sampling), (out, seen | own[None], buf_k, buf_v)

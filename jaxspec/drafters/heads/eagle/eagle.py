@@ -8,7 +8,8 @@ feature back as the next pair's feature. The rotary position of pair i is i.
 Interface shared with the EAGLE-3 head (the drafter only uses these):
   embed(tokens, target_embed) -> [..., d]          token embeddings (the target's, frozen)
   project_target_features(features) -> [..., d]    identity here (EAGLE-3 fuses three layers)
-  __call__(embeddings, hidden, positions, inputs)  -> (next hidden [B, N, d], own keys, own values)
+  __call__(embeddings, hidden, positions, inputs)  -> (next hidden [B, N, d], own keys, own values
+                                                      [L, B, Hkv, N, D], one per decoder layer: L = 1)
   logits(hidden, target_lm) -> [..., V]            target-vocabulary logits
 """
 
@@ -48,10 +49,12 @@ class EagleHead(nnx.Module):
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """embeddings/hidden [B, N, d], positions [B, N] -> (next features [B, N, d], keys, values)."""
+        """embeddings/hidden [B, N, d], positions [B, N] -> (next features [B, N, d], keys, values
+        [1, B, Hkv, N, D])."""
         x = self.fc(jnp.concatenate([embeddings, hidden.astype(embeddings.dtype)], axis=-1))
         cos, sin = rope_for(self.config.layer, positions)
-        return self.layer(x, cos, sin, inputs)
+        out, k, v = self.layer(x, cos, sin, inputs.layer(0))
+        return out, k[None], v[None]
 
     def logits(self, hidden: jax.Array, target_lm: Callable[[jax.Array], jax.Array]) -> jax.Array:
         return target_lm(hidden).astype(jnp.float32)

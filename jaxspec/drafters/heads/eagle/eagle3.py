@@ -4,10 +4,13 @@ The target's features are the outputs of three decoder layers, concatenated [...
 fused by fc (no bias) to d. The decoder layer ("midlayer") attends over
 [input_layernorm(Emb(t)); hidden_norm(h)] (2d wide) with residual h; its output h' is both the next
 step's feature (drafting feeds it back, un-normed) and, after the head's own norm and LM head, logits
-over the draft vocabulary. Draft id i is target id i + d2t[i]; t2d[v] says whether target id v is in
-the draft vocabulary. Drafting processes the draft logits themselves and maps the chosen indices to
-target ids (`jaxspec.drafters.heads.drafting.DraftVocabulary`); `logits` puts them at their target ids
-with -inf elsewhere, one distribution over the target vocabulary (what a logits hook rewrites).
+over the draft vocabulary. With `layer.num_layers` = L > 1 (vLLM's multi-layer EAGLE-3: its layers
+1..L-1 are standard pre-norm Llama layers on the residual stream) the midlayer's output goes through
+`later_layers` and h' is the last one's output. Draft id i is target id i + d2t[i]; t2d[v] says
+whether target id v is in the draft vocabulary. Drafting processes the draft logits themselves and
+maps the chosen indices to target ids (`jaxspec.drafters.heads.drafting.DraftVocabulary`); `logits`
+puts them at their target ids with -inf elsewhere, one distribution over the target vocabulary (what
+a logits hook rewrites).
 
 Same drafter interface as `jaxspec.drafters.heads.eagle.eagle.EagleHead`.
 """
@@ -36,6 +39,9 @@ class Eagle3Head(nnx.Module):
         self.config = config
         self.fc = split_linear(3 * config.target_hidden_size, d, False, dtype, rngs)
         self.layer = DecoderLayer(c, dtype, rngs, layout="split", input_norm="eagle3")
+        self.later_layers = nnx.List(
+            [DecoderLayer(c, dtype, rngs, layout="split") for _ in range(c.num_layers - 1)]
+        )
         self.norm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.lm_head = split_linear(d, vd, False, dtype, rngs)
         if config.own_embedding:
@@ -58,8 +64,17 @@ class Eagle3Head(nnx.Module):
     def __call__(
         self, embeddings: jax.Array, hidden: jax.Array, positions: jax.Array, inputs: AttentionInputs
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """embeddings/hidden [B, N, d], positions [B, N] -> (h' [B, N, d], own keys, own values), the keys
+        and values [L, B, Hkv, N, D] (one per decoder layer; `inputs` per layer: `AttentionInputs.layer`)."""
         cos, sin = rope_for(self.config.layer, positions)
-        return self.layer(hidden.astype(embeddings.dtype), cos, sin, inputs, embeddings=embeddings)
+        hidden = hidden.astype(embeddings.dtype)
+        out, k, v = self.layer(hidden, cos, sin, inputs.layer(0), embeddings=embeddings)
+        keys, values = [k], [v]
+        for index, layer in enumerate(self.later_layers, start=1):
+            out, k, v = layer(out, cos, sin, inputs.layer(index))
+            keys.append(k)
+            values.append(v)
+        return out, jnp.stack(keys), jnp.stack(values)
 
     def draft_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., d] -> float32 logits over the draft vocabulary [..., V_draft]."""
