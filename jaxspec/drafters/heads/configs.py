@@ -49,9 +49,10 @@ class EagleConfig:
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    """EAGLE-3 head: three target layers fused (3 * target_hidden -> d), one decoder layer whose
-    attention reads [input_layernorm(embedding); hidden_norm(feature)] (2d wide), its own final norm
-    and LM head over a reduced draft vocabulary (draft id i -> target id i + d2t[i]).
+    """EAGLE-3 head: three target layers fused (3 * target_hidden -> d), a decoder layer whose
+    attention reads [input_layernorm(embedding); hidden_norm(feature)] (2d wide), then layer.num_layers
+    - 1 standard decoder layers (vLLM's multi-layer EAGLE-3; published heads have none), its own final
+    norm and LM head over a reduced draft vocabulary (draft id i -> target id i + d2t[i]).
 
     target_layers: decoder layers whose outputs are fused (output-of-layer convention, 0-based).
     own_embedding: the head has its own token embedding (its width differs from the target's).
