@@ -75,8 +75,9 @@ def load_eagle3(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: d
     tensors = TensorSource(read_tensors(files), str(files[0]))
     if raw.get("draft_vocab_size") is None:
         raise ModelLoadError(f"{config_path}: required field 'draft_vocab_size' is missing")
-    bias = _has_attention_bias(tensors, "midlayer.")
-    layer = layer_config_from_json(raw, config_path, target, attention_bias=bias)
+    first, num_layers = _eagle3_layer_names(tensors, raw, config_path)
+    bias = _has_attention_bias(tensors, first + ".")
+    layer = layer_config_from_json(raw, config_path, target, attention_bias=bias, num_layers=num_layers)
     own_embedding = (
         "embed_tokens.weight" in tensors
         and tensors.tensors["embed_tokens.weight"].shape[-1] != target.hidden_size
@@ -89,12 +90,39 @@ def load_eagle3(directory: Path, target: ModelConfig, dtype: jnp.dtype, extra: d
         own_embedding=own_embedding,
     )
     abstract = abstract_head(config, dtype)
-    params = fill_params(abstract.params, tensors, lambda p: layout_key(p, {"layer": "midlayer"}), dtype)
+    params = fill_params(abstract.params, tensors, lambda p: _eagle3_key(p, first), dtype)
     if not own_embedding:
         _check_shared_tensor(tensors, "embed_tokens.weight", (target.vocab_size, target.hidden_size))
     tensors.check_all_used(ignore=_is_rotary_buffer)
     _check_vocab_maps(params, config, str(files[0]))
     return DraftHead(config=config, graphdef=abstract.graphdef, params=params, source=str(directory))
+
+
+def _eagle3_layer_names(tensors: TensorSource, raw: dict[str, Any], config_path: Path) -> tuple[str, int]:
+    """(name of the first decoder layer's tensors, decoder layers): SafeAILab / SpecForge store one layer
+    as "midlayer"; vLLM's multi-layer EAGLE-3 reads "layers.0" (or "midlayer") then "layers.1".."layers.
+    L-1", and config.json's num_hidden_layers must say L."""
+    names = tensors.tensors
+    first = "midlayer" if any(k.startswith("midlayer.") for k in names) else "layers.0"
+    later = {int(k.split(".")[1]) for k in names if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    later.discard(0)
+    num_layers = 1 + len(later)
+    if later != set(range(1, num_layers)):
+        raise ModelLoadError(f"{config_path}: decoder layers {sorted(later)} after the first are not 1..n")
+    declared = raw.get("num_hidden_layers")
+    if declared is not None and int(declared) != num_layers:
+        raise ModelLoadError(
+            f"{config_path}: num_hidden_layers is {declared}, the weights hold {num_layers} decoder layer(s)"
+        )
+    return first, num_layers
+
+
+def _eagle3_key(path: tuple, first: str) -> tuple[str, bool]:
+    """NNX path of an EAGLE-3 head -> published tensor name: layer -> `first`, later_layers.i ->
+    layers.(i+1)."""
+    if str(path[0]) == "later_layers":
+        return layout_key((f"layers.{int(path[1]) + 1}",) + tuple(path[2:]), {})
+    return layout_key(path, {"layer": first})
 
 
 def _check_vocab_maps(params, config: Eagle3Config, source: str) -> None:
