@@ -243,30 +243,40 @@ def test_eagle3_layout(tmp_path):
     assert isinstance(config, Eagle3Config)
     assert config.target_layers == (1, 3, 4)  # vLLM's layer-input ids (2, 4, 5) minus one
     assert config.draft_vocab_size == len(DRAFT_IDS) and not config.own_embedding
-    emb, feat = _sequence_inputs(np.random.default_rng(3), feature_width=3 * D)
+    logits = check_eagle3_forward(t, head, ["midlayer."])
+    assert np.all(np.isneginf(np.delete(logits, DRAFT_IDS, axis=1)))
+
+
+def check_eagle3_forward(t, head, prefixes) -> np.ndarray:
+    """The head's teacher-forced features and draft logits against numpy over the published tensors `t`
+    (decoder layers under `prefixes`, the first the fused-input one); returns its target-vocabulary
+    logits [N, V] (-inf outside the draft vocabulary)."""
     from flax import nnx
 
-    module = nnx.merge(head.graphdef, head.params)
+    emb, feat = _sequence_inputs(np.random.default_rng(3), feature_width=3 * D)
     out = eagle_sequence_forward(
         head.graphdef, head.params, jnp.asarray(emb[None], jnp.float32), jnp.asarray(feat[None], jnp.float32)
     )[0]
-    h = feat @ t["fc.weight"].T
+    expected = feat @ t["fc.weight"].T
+    first = prefixes[0]
     attn_in = np.concatenate(
-        [rms(emb, t["midlayer.input_layernorm.weight"]), rms(h, t["midlayer.hidden_norm.weight"])], -1
+        [rms(emb, t[f"{first}input_layernorm.weight"]), rms(expected, t[f"{first}hidden_norm.weight"])], -1
     )
-    expected = ref_layer(h, attn_in, t, "midlayer.", np.arange(5))
+    expected = ref_layer(expected, attn_in, t, first, np.arange(5))
+    for prefix in prefixes[1:]:
+        expected = ref_layer(
+            expected, rms(expected, t[f"{prefix}input_layernorm.weight"]), t, prefix, np.arange(5)
+        )
     np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-4)
-    logits = np.asarray(module.logits(out))  # target vocabulary, -inf outside the draft vocabulary
+    logits = np.asarray(nnx.merge(head.graphdef, head.params).logits(out))
     draft = rms(expected, t["norm.weight"]) @ t["lm_head.weight"].T
     np.testing.assert_allclose(logits[:, DRAFT_IDS], draft, rtol=2e-4, atol=2e-4)
-    assert np.all(np.isneginf(np.delete(logits, DRAFT_IDS, axis=1)))
+    return logits
 
 
 def test_eagle3_with_two_decoder_layers_in_vllm_naming(tmp_path):
     """vLLM's multi-layer EAGLE-3: "layers.0" (the fused-input layer) then "layers.1", a standard layer on
     the residual stream; num_hidden_layers must match the weights (an error names config.json)."""
-    from flax import nnx
-
     rng = np.random.default_rng(0)
     t, config = eagle3_checkpoint(rng)
     t = {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}
@@ -274,21 +284,7 @@ def test_eagle3_with_two_decoder_layers_in_vllm_naming(tmp_path):
     write(tmp_path / "two", t, dict(config, num_hidden_layers=2), "model.safetensors")
     head = load_head(tmp_path / "two", "eagle3", TARGET, jnp.float32)
     assert head.config.layer.num_layers == 2
-    emb, feat = _sequence_inputs(np.random.default_rng(3), feature_width=3 * D)
-    out = eagle_sequence_forward(
-        head.graphdef, head.params, jnp.asarray(emb[None], jnp.float32), jnp.asarray(feat[None], jnp.float32)
-    )[0]
-    h = feat @ t["fc.weight"].T
-    attn_in = np.concatenate(
-        [rms(emb, t["layers.0.input_layernorm.weight"]), rms(h, t["layers.0.hidden_norm.weight"])], -1
-    )
-    first = ref_layer(h, attn_in, t, "layers.0.", np.arange(5))
-    second_in = rms(first, t["layers.1.input_layernorm.weight"])
-    expected = ref_layer(first, second_in, t, "layers.1.", np.arange(5))
-    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-4)
-    logits = np.asarray(nnx.merge(head.graphdef, head.params).logits(out))
-    draft = rms(expected, t["norm.weight"]) @ t["lm_head.weight"].T
-    np.testing.assert_allclose(logits[:, DRAFT_IDS], draft, rtol=2e-4, atol=2e-4)
+    check_eagle3_forward(t, head, ["layers.0.", "layers.1."])
 
     write(tmp_path / "bad", t, dict(config, num_hidden_layers=1), "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"config.json: num_hidden_layers is 1, the weights hold 2"):
