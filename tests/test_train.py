@@ -409,6 +409,47 @@ def test_kill_during_feature_writing_and_distillation_loses_nothing(tiny, tiny_m
     assert [by_id[p["id"]]["response_ids"] for p in prompts] == [c.token_ids for c in alone]
 
 
+def test_argmax_from_greedy_data_is_the_targets_argmax_at_every_response_position(
+    tiny, tiny_model, rows, store, tmp_path, capsys
+):
+    """`write_features(argmax_from_data=True)` (`--feature-argmax data`, the default for a greedy data
+    set) stores the data's next token as the target's argmax: on greedy self-distilled rows it equals
+    the argmax the target's LM head gives at every position whose prediction is a response token, with
+    the same features; `--feature-argmax data` on a data set with a sampled run is refused."""
+    from jaxspec.cli import main
+    from jaxspec.train.dataset import DistilledDataset
+    from jaxspec.train.features import write_features
+
+    fast = write_features(tiny_model, rows, tmp_path / "fast", max_len=32, capture_layers=(0, 1, 1),
+                          batch_size=8, progress=False, argmax_from_data=True)  # fmt: skip
+    assert fast.meta["ids"] == store.meta["ids"]
+    everything = range(store.num_sequences)
+    want, got = store.read(everything), fast.read(everything)
+    checked = 0
+    for i in everything:
+        start, length = int(want["starts"][i]), int(want["lengths"][i])
+        response = np.arange(start - 1, length - 1)  # positions whose prediction is a response token
+        np.testing.assert_array_equal(got["argmax"][i][response], want["argmax"][i][response])
+        checked += len(response)
+    assert checked > 200
+    for name in ("hidden", "layers"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
+
+    data = DistilledDataset.open_or_create(tmp_path / "data", model="tiny", vocab_size=VOCAB)
+    writer = data.writer(prompt_source="test", seed=0, sampling="temperature=0.7")
+    writer.append(rows[:4])
+    writer.finish()
+    capsys.readouterr()
+    code = main([
+        "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(tmp_path / "work"),
+        "--dataset", str(tmp_path / "data"), "--stages", "features", "--max-len", "32", "--no-progress",
+        "--feature-argmax", "data",
+    ])  # fmt: skip
+    assert code == 2
+    assert "--feature-argmax data needs greedy responses" in capsys.readouterr().err
+    assert not (tmp_path / "work" / "features").exists()
+
+
 def test_eagle3_position_mask_drops_exactly_the_targets_outside_the_draft_vocabulary(tiny_model, store):
     """EAGLE-3's loss counts a pair only where the target's full-vocabulary argmax is in the draft
     vocabulary: changing the target distribution at the other positions leaves the loss unchanged, at

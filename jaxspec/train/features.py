@@ -8,7 +8,10 @@ past a sequence's length are zeros; the losses mask by length):
   hidden   [N, L, d]      post-norm final hidden state of the target (EAGLE-1 features, Medusa input)
   layers   [N, L, k * d]  outputs of the captured decoder layers, concatenated (EAGLE-3 input), if k > 0
   argmax   [N, L]         int32  the target's top token over its full vocabulary at each position (EAGLE-3's
-                          position mask), in stores written with it (meta "argmax": true)
+                          position mask), in stores written with it (meta "argmax": true). For greedy
+                          self-distilled rows it is the data's next token at every response position
+                          (what the target emitted), so `argmax_from_data` stores that instead of running
+                          the target's full-vocabulary LM head (22-30% of the pass on a CPU; README)
   meta.json               {"num_committed", "max_len", "capture_layers", "dtype", "ids", "argmax"}
 Chunks are one sequence each, so appending is a metadata resize plus new chunk files. `meta.json` is
 replaced atomically after every batch's writes have completed: rows past num_committed (a batch in
@@ -97,6 +100,13 @@ def target_features_and_argmax(
 _jit_features_and_argmax = jax.jit(
     target_features_and_argmax, static_argnames=("graphdef", "config", "capture_layers")
 )
+_jit_features = jax.jit(target_features, static_argnames=("graphdef", "config", "capture_layers"))
+
+
+def next_tokens(tokens: np.ndarray) -> np.ndarray:
+    """[B, L] token ids -> [B, L] the token after each position (0 after the last): a greedy sequence's
+    target argmax at every position that predicts one of its tokens."""
+    return np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)
 
 
 def packed_length(row: dict, max_len: int) -> int:
@@ -284,8 +294,13 @@ def write_features(
     batch_size: int = 8,
     dtype: str = "float32",
     progress: bool = True,
+    argmax_from_data: bool = False,
 ) -> FeatureStore:
     """Run the target over distill `rows` and append their features to the store at `path`.
+
+    argmax_from_data: the rows are greedy self-distillation (every response token is the target's
+    argmax after its prefix), so the stored argmax is the data's next token (`next_tokens`) and the
+    target's full-vocabulary LM head is not run. Wrong for sampled responses.
 
     Resumable: rows already committed (by id) are skipped. Rows run longest first, each batch at the
     narrowest `feature_width` that holds it (one compiled program per width). Returns the open store.
@@ -322,15 +337,16 @@ def write_features(
         store.reserve(end)
     barrier("features/reserved")
     store.reopen()
-    compute = _jit_features_and_argmax
+    compute = _jit_features if argmax_from_data else _jit_features_and_argmax
     if mesh is not None:
         compute = jax.jit(
-            target_features_and_argmax, static_argnames=("graphdef", "config", "capture_layers"),
+            target_features if argmax_from_data else target_features_and_argmax,
+            static_argnames=("graphdef", "config", "capture_layers"),
             out_shardings=NamedSharding(mesh, PartitionSpec(DEFAULT_RULES.batch)),
         )  # fmt: skip
     empty_caches: dict[int, KVCache] = {}
 
-    def run(tokens: jax.Array) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+    def run(tokens: jax.Array) -> tuple[jax.Array, ...]:
         width = tokens.shape[1]
         if width not in empty_caches:  # one empty cache (and one compiled program) per width
             empty = KVCache.zeros(model.config, batch_size, width, model.dtype)
@@ -354,9 +370,13 @@ def write_features(
         if n < batch_size:  # keep one compiled shape per width
             tokens = np.concatenate([tokens, np.zeros((batch_size - n, width), np.int32)])
         tokens = place_batch(tokens, mesh) if mesh is not None else jnp.asarray(tokens)
-        hidden, layers, argmax = run(tokens)
-        outputs = {"hidden": hidden, "layers": layers, "argmax": argmax}
-        outputs = {name: local_row_blocks(outputs[name]) for name in store.arrays if name in outputs}
+        hidden, layers, *argmax = run(tokens)
+        outputs = {"hidden": hidden, "layers": layers, "argmax": argmax[0] if argmax else None}
+        outputs = {
+            name: local_row_blocks(outputs[name])
+            for name in store.arrays
+            if name in outputs and outputs[name] is not None
+        }
         futures = []
         for i, (lo, hi, _) in enumerate(outputs["hidden"]):
             hi = min(hi, n)  # the padding rows past the batch are not stored
@@ -364,6 +384,9 @@ def write_features(
                 continue
             store.check_own_chunks(first + lo, first + hi, end)
             values = {name: packed[name][lo:hi] for name in ("tokens", "lengths", "starts")}
+            if argmax_from_data and "argmax" in store.arrays:
+                following = next_tokens(packed["tokens"][lo:hi])
+                values["argmax"] = _past_length_zeroed(following, packed["lengths"][lo:hi], max_len)
             values.update(
                 {
                     name: _past_length_zeroed(blocks[i][2][: hi - lo], packed["lengths"][lo:hi], max_len)
