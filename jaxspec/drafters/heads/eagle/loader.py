@@ -110,7 +110,7 @@ def _eagle3_layer_names(tensors: TensorSource, raw: dict[str, Any], config_path:
     if later != set(range(1, num_layers)):
         raise ModelLoadError(f"{config_path}: decoder layers {sorted(later)} after the first are not 1..n")
     declared = raw.get("num_hidden_layers")
-    if declared is not None and int(declared) != num_layers:
+    if declared is not None and (not isinstance(declared, int) or declared != num_layers):
         raise ModelLoadError(
             f"{config_path}: num_hidden_layers is {declared}, the weights hold {num_layers} decoder layer(s)"
         )
