@@ -76,7 +76,7 @@ def add_parser(subparsers) -> None:
         "--feature-argmax", choices=("auto", "target", "data"), default="auto",
         help="the stored target argmax (EAGLE-3's position mask): 'data' = the data's next token, exact for "
         "greedy self-distillation and without the target's full-vocabulary LM head (the features stage "
-        "~1.3x faster on a CPU); 'target' runs the LM head; auto = data when every run of the --dataset "
+        "1.1-1.3x faster on a CPU); 'target' runs the LM head; auto = data when every run of the --dataset "
         "manifest is greedy (jaxspec train's own distillation always is), else target",
     )  # fmt: skip
     p.add_argument("--window", type=int, default=None, help="train on random windows of this many tokens")

@@ -11,7 +11,7 @@ past a sequence's length are zeros; the losses mask by length):
                           position mask), in stores written with it (meta "argmax": true). For greedy
                           self-distilled rows it is the data's next token at every response position
                           (what the target emitted), so `argmax_from_data` stores that instead of running
-                          the target's full-vocabulary LM head (22-30% of the pass on a CPU; README)
+                          the target's full-vocabulary LM head (the pass 1.1-1.3x faster on a CPU; README)
   meta.json               {"num_committed", "max_len", "capture_layers", "dtype", "ids", "argmax"}
 Chunks are one sequence each, so appending is a metadata resize plus new chunk files. `meta.json` is
 replaced atomically after every batch's writes have completed: rows past num_committed (a batch in
