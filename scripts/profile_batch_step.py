@@ -19,8 +19,9 @@ Rows hold `--fill` committed tokens each (the cache is padded to `--max-len`).
 
     python scripts/profile_batch_step.py --rows 64,16 --max-len 384 --fill 128 --iters 4 --attention-ab 7
 
-times only the forward with the reference vs live-block attention, compiled once each and timed in
-turn for 7 rounds (paired: a drifting machine load hits both alike).
+times only the forward with the reference, live attention and live attention with a branch for every
+128-block (the policy before `live_widths`), compiled once each and timed in
+turn for 7 rounds (paired: a drifting machine load hits every variant alike).
 """
 
 from __future__ import annotations
@@ -163,12 +164,19 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument(
         "--attention-ab", type=int, default=0, metavar="ROUNDS",
-        help="only the forward with reference vs live attention, interleaved for ROUNDS rounds",
+        help="only the forward with reference vs live attention (its widths, and a branch for every "
+        "128-block), interleaved for ROUNDS rounds",
     )  # fmt: skip
     args = p.parse_args()
     model = jaxspec.load(args.model)
     if args.attention_ab:
-        variants = {"reference": None, "live blocks": live_attention}
+        every_block = tuple(sorted({min(w, args.max_len) for w in range(128, args.max_len + 128, 128)}))
+        variants = {
+            "reference": None,
+            "live (live_widths)": live_attention,
+            # the policy before: a branch for every multiple of 128, however close to the whole cache
+            "live (every block)": functools.partial(live_attention, widths=every_block),
+        }
         print(f"load average {os.getloadavg()[0]:.1f}, max_len {args.max_len}, fill {args.fill}", flush=True)
         for rows in args.rows.split(","):
             t = attention_ab(

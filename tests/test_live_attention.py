@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.model.live_attention import cache_prefix_attention, live_attention
+from jaxspec.model.live_attention import cache_prefix_attention, live_attention, live_widths
 from pallas_kernels.reference import tree_attention_reference
 
 
@@ -79,3 +79,18 @@ def test_cache_prefix_attention_reads_only_the_rows_common_prefix(prefix_len):
             q, k_cache, v_cache, lengths, k_tree, v_tree, causal, scale=scale
         )
         assert not np.allclose(np.asarray(short), np.asarray(want), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "cache_len, block, want",
+    [
+        (385, 128, [128, 385]),
+        (384, 128, [128, 384]),
+        (1024, 128, [128, 256, 384, 512, 1024]),
+        (64, 128, [64]),
+    ],
+)
+def test_no_branch_slices_more_than_half_the_cache(cache_len, block, want):
+    """A branch narrower than the cache copies its prefix; past half the cache that costs more than
+    scoring the masked tail (`live_widths` docstring), so those lengths take the whole-cache branch."""
+    assert live_widths(cache_len, block) == want
