@@ -22,8 +22,7 @@ def _spec_from_args(args: argparse.Namespace):
     A head method (medusa, eagle, eagle3, mtp) without --head uses the head shipped for --model in
     configs/heads/ (found from the package); with neither it is an error (a random head would accept
     nothing): the same rule as the API (`jaxspec.drafters.heads.shipped.resolve_head`)."""
-    from jaxspec.config import SpecConfig
-    from jaxspec.drafters.heads.configs import HEAD_METHODS
+    from jaxspec.config import HEAD_METHODS, SpecConfig
     from jaxspec.drafters.heads.shipped import shipped_head, shipped_heads_dir
     from jaxspec.errors import InputError
 
@@ -39,13 +38,19 @@ def _spec_from_args(args: argparse.Namespace):
                 f"--spec {args.spec}: no trained head for model {args.model!r} in "
                 f"{shipped_heads_dir() / args.model / args.spec}; pass --head DIR (see `jaxspec train`)"
             )
+    lookup = args.lookup_min_match if args.spec in HEAD_METHODS and args.topk == 1 else 0
     return SpecConfig(
-        method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head
-    )
+        method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head,
+        lookup_min_match=lookup,
+    )  # fmt: skip
 
 
 def _add_generation_args(
-    p: argparse.ArgumentParser, *, spec_default_help: str = "none", default_draft_length: int = 4
+    p: argparse.ArgumentParser,
+    *,
+    spec_default_help: str = "none",
+    default_draft_length: int = 4,
+    default_lookup_min_match: int = 0,
 ) -> None:
     p.add_argument("--model", default="smollm2-135m", help="model name, .gguf file or HF directory")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -61,12 +66,18 @@ def _add_generation_args(
     p.add_argument("--head", help="draft head directory (default: the head shipped for --model)")
     p.add_argument("--num-speculative-tokens", type=int, default=default_draft_length)
     p.add_argument("--topk", type=int, default=1, help="branches per node (tree drafting)")
+    p.add_argument(
+        "--lookup-min-match", type=int, default=default_lookup_min_match,
+        help="head chains: a row whose last N or more tokens occurred before drafts their continuation "
+        f"(prompt lookup) instead of the head's chain; 0 = off (default {default_lookup_min_match})",
+    )  # fmt: skip
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
 
 def _demo_default_spec(model: str) -> str | None:
     """EAGLE-3 when a head is shipped for `model` (the best shipped head on the dev prompts: README,
-    "Shipped draft heads"; a chain of 3, the depth it was trained for), else autoregressive."""
+    "Shipped draft heads"; a chain of 3, the depth it was trained for, with prompt lookup first at
+    matches of 3 tokens: `--lookup-min-match`), else autoregressive."""
     from jaxspec.drafters.heads.shipped import shipped_head
 
     return "eagle3" if shipped_head(model, "eagle3") is not None else None
@@ -94,7 +105,8 @@ def _describe(spec) -> str:
     if spec is None:
         return "autoregressive"
     shape = f"chain of {spec.num_speculative_tokens}" if spec.topk == 1 else f"tree (top-{spec.topk})"
-    return f"{spec.method} {shape}"
+    lookup = f", prompt lookup first (match >= {spec.lookup_min_match})" if spec.lookup_min_match else ""
+    return f"{spec.method} {shape}{lookup}"
 
 
 class _Printer:
@@ -246,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="run the default model on a few built-in prompts, drafting with its best shipped head"
     )
     _add_generation_args(
-        demo, spec_default_help="eagle3 with the model's shipped head if it has one", default_draft_length=3
-    )
+        demo, spec_default_help="eagle3 with the model's shipped head if it has one", default_draft_length=3,
+        default_lookup_min_match=3,
+    )  # fmt: skip
     demo.add_argument("--prompt", action="append", help="your own prompt instead of the built-in ones")
     args, rest = parser.parse_known_args(argv)
     from jaxspec.compile_cache import enable_compile_cache

@@ -48,6 +48,7 @@ def _as_tuples(value: Any) -> Any:
 
 # The drafting methods; every one runs in `jaxspec.generate` and in continuous batching.
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
+HEAD_METHODS = ("medusa", "eagle", "eagle3", "mtp")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,10 @@ class SpecConfig:
     posterior_threshold, posterior_alpha: typical_lossy accepts a draft token x iff
         p(x) > min(posterior_threshold, posterior_alpha * exp(-entropy(p))): Medusa's names and defaults.
     attention: "auto" | "reference" | "pallas" verify attention implementation.
+    lookup_min_match: head chains only; 0 (default) = off. n >= 1: a row whose last n..max(n, ngram_max)
+        tokens occurred earlier in its prompt + output drafts the continuation of that occurrence
+        (prompt lookup) instead of the head's chain that round (`drafters.lookup_first`). Lossless:
+        the choice reads only the row's history.
     """
 
     method: str | None = None
@@ -80,6 +85,7 @@ class SpecConfig:
     draft_num_layers: int | None = None  # draft_model: keep only the first N layers (self-drafting)
     tree_choices: tuple[tuple[int, ...], ...] | None = None  # static (Medusa-style) tree
     attention: str = "auto"
+    lookup_min_match: int = 0
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     @classmethod
@@ -122,3 +128,13 @@ class SpecConfig:
             raise ValueError("SpecConfig.num_speculative_tokens must be >= 1")
         if self.topk < 1:
             raise ValueError("SpecConfig.topk must be >= 1")
+        if self.lookup_min_match < 0:
+            raise ValueError(f"SpecConfig.lookup_min_match must be >= 0, got {self.lookup_min_match}")
+        is_chain = self.topk == 1 and self.num_draft_tokens is None and self.tree_choices is None
+        if self.lookup_min_match and not (is_chain and self.method in HEAD_METHODS):
+            raise ValueError(
+                f"SpecConfig.lookup_min_match puts prompt lookup in front of a head's chain: method must be "
+                f"one of {HEAD_METHODS} with a chain (topk 1, no num_draft_tokens, no tree_choices), got "
+                f"method {self.method!r}, topk {self.topk}, num_draft_tokens {self.num_draft_tokens}, "
+                f"tree_choices {'set' if self.tree_choices else None}"
+            )

@@ -10,14 +10,23 @@ from jaxspec.errors import InputError
 
 
 def _args(**overrides) -> argparse.Namespace:
-    values = {"model": "smollm2-135m", "spec": None, "head": None, "num_speculative_tokens": 3, "topk": 1}
+    values = {
+        "model": "smollm2-135m",
+        "spec": None,
+        "head": None,
+        "num_speculative_tokens": 3,
+        "topk": 1,
+        "lookup_min_match": 0,
+    }
     return argparse.Namespace(**{**values, **overrides})
 
 
 def test_head_methods_default_to_the_shipped_head():
     spec = _spec_from_args(_args(spec="eagle3"))
     assert spec.method == "eagle3" and spec.head == str(shipped_heads_dir() / "smollm2-135m" / "eagle3")
-    assert spec.num_speculative_tokens == 3
+    assert spec.num_speculative_tokens == 3 and spec.lookup_min_match == 0
+    assert _spec_from_args(_args(spec="eagle3", lookup_min_match=3)).lookup_min_match == 3
+    assert _spec_from_args(_args(spec="ngram", lookup_min_match=3)).lookup_min_match == 0  # heads only
     assert _spec_from_args(_args(spec="medusa", head="/some/head")).head == "/some/head"
     assert _spec_from_args(_args(spec="ngram")).head is None
 

@@ -310,6 +310,14 @@ DRAFTERS = {
     "eagle3-chain": SpecConfig(
         method="eagle3", head="random", num_speculative_tokens=3, extra=(("draft_vocab_size", 96),)
     ),
+    # prompt lookup in front of the head's chain (`SpecConfig.lookup_min_match`)
+    "eagle3-chain-lookup": SpecConfig(
+        method="eagle3",
+        head="random",
+        num_speculative_tokens=3,
+        extra=(("draft_vocab_size", 96),),
+        lookup_min_match=1,
+    ),  # fmt: skip
     "eagle-tree": SpecConfig(
         method="eagle", head="random", num_speculative_tokens=3, topk=3, num_draft_tokens=7
     ),

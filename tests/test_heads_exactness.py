@@ -10,6 +10,7 @@ token outside the nucleus may ever appear.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,8 @@ from jaxspec import sampling
 from jaxspec.config import SamplingParams, SpecConfig
 from jaxspec.decoding.prefill import Requests, prefill
 from jaxspec.drafters.heads.registry import make_head_drafter
+from jaxspec.drafters.lookup_first import LookupFirstDrafter
+from jaxspec.drafters.make import make_drafter
 from jaxspec.drafters.protocol import RoundContext
 from jaxspec.model.forward import lm_logits, model_forward
 from jaxspec.sampling.tree import DraftTree, ancestor_mask, tree_positions
@@ -31,7 +34,7 @@ from tests.tiny_models import save_tiny
 VOCAB = 16
 PROMPT = [3, 9, 4, 11, 2, 7]
 CHUNK = 20_000
-MAX_LEN = 16
+MAX_LEN = 32  # the cache: the longest prompt (16) + the first token + a round's nodes
 PARAMS = SamplingParams(temperature=1.0, top_p=0.9)
 SPECS = {
     "medusa": SpecConfig(
@@ -64,11 +67,11 @@ def tile(tree, rows):
     return jax.tree.map(lambda x: jnp.repeat(x, rows, axis=0), tree)
 
 
-def requests_for(rows: int, first_request: jax.Array) -> Requests:
-    tokens = jnp.broadcast_to(jnp.asarray(PROMPT, jnp.int32), (rows, len(PROMPT)))
+def requests_for(rows: int, first_request: jax.Array, prompt: tuple[int, ...] = tuple(PROMPT)) -> Requests:
+    tokens = jnp.broadcast_to(jnp.asarray(prompt, jnp.int32), (rows, len(prompt)))
     return Requests(
         prompt_tokens=tokens,
-        prompt_lengths=jnp.full((rows,), len(PROMPT), jnp.int32),
+        prompt_lengths=jnp.full((rows,), len(prompt), jnp.int32),
         max_new_tokens=jnp.full((rows,), 8, jnp.int32),
         seeds=jnp.zeros((rows,), jnp.int32),
         request_ids=first_request + jnp.arange(rows, dtype=jnp.int32),
@@ -76,15 +79,15 @@ def requests_for(rows: int, first_request: jax.Array) -> Requests:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "config", "drafter"))
-def two_tokens(graphdef, params, draft_params, first_request, *, config, drafter):
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "drafter", "prompt"))
+def two_tokens(graphdef, params, draft_params, first_request, *, config, drafter, prompt=tuple(PROMPT)):
     """[CHUNK, 2] first two emitted tokens after the (fixed) first token, one request per row."""
-    requests = requests_for(CHUNK, first_request)
+    requests = requests_for(CHUNK, first_request, prompt)
     pre = prefill(
         graphdef,
         params,
         config,
-        requests_for(1, 0),
+        requests_for(1, 0, prompt),
         MAX_LEN,
         attention="reference",
         capture_layers=drafter.capture_layers,
@@ -94,7 +97,7 @@ def two_tokens(graphdef, params, draft_params, first_request, *, config, drafter
     history = jnp.concatenate([requests.prompt_tokens, pre.first_token[:, None]], axis=1)
     ctx = RoundContext(
         history=history,
-        history_len=jnp.full((CHUNK,), len(PROMPT) + 1, jnp.int32),
+        history_len=jnp.full((CHUNK,), len(prompt) + 1, jnp.int32),
         cache_lengths=pre.cache.lengths,
         keys=sampling.derive_key(requests.seeds, requests.request_ids, 1, sampling.PURPOSE_DRAFT),
         sampling=requests.sampling,
@@ -140,9 +143,9 @@ def target_after(graphdef, params, cache, root, x1, processor):
     return sampling.process_logits(lm_logits(graphdef, params, hidden[:, 1]), processor)
 
 
-def target_joint(model) -> np.ndarray:
+def target_joint(model, prompt: tuple[int, ...] = tuple(PROMPT)) -> np.ndarray:
     """p(x1) p(x2 | x1) after the fixed context, [V, V] float64."""
-    requests = requests_for(1, jnp.int32(0))
+    requests = requests_for(1, jnp.int32(0), prompt)
     pre = prefill(model.graphdef, model.params, model.config, requests, MAX_LEN, attention="reference")
     processor = sampling.SamplingArrays.from_params(PARAMS, VOCAB)
     cache = tile(pre.cache, VOCAB)
@@ -166,12 +169,9 @@ def target_joint(model) -> np.ndarray:
     return np.asarray(p1[0], np.float64)[:, None] * p2
 
 
-@pytest.mark.parametrize(
-    "name", [n if n == "eagle" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(SPECS)]
-)
-def test_head_drafts_keep_the_target_distribution(small_vocab, name):
-    model = small_vocab
-    drafter, draft_params = make_head_drafter(model, SPECS[name])
+def deviation(model, drafter, draft_params, prompt: tuple[int, ...] = tuple(PROMPT)) -> float:
+    """NUM_SAMPLES requests' first two tokens (`two_tokens`) against the target's joint: the largest
+    deviation in units of the Bernstein bound (first token alone and both); no sample in a zero cell."""
     samples = np.concatenate(
         [
             np.asarray(
@@ -182,14 +182,35 @@ def test_head_drafts_keep_the_target_distribution(small_vocab, name):
                     jnp.int32(i * CHUNK),
                     config=model.config,
                     drafter=drafter,
+                    prompt=prompt,
                 )
-            )
+            )  # fmt: skip
             for i in range(NUM_SAMPLES // CHUNK)
         ]
     )
-    joint = target_joint(model)
+    joint = target_joint(model, prompt)
     assert np.count_nonzero(joint) < joint.size  # top-p removed tokens: zero cells are tested too
     excess, in_zero_cells = bernstein_excess(samples, joint)
     first_excess, first_zero = bernstein_excess(samples[:, :1], joint.sum(axis=1))
     assert in_zero_cells == 0 and first_zero == 0
-    assert max(excess, first_excess) <= 1.0, f"{name}: deviation {max(excess, first_excess):.2f}x the bound"
+    return max(excess, first_excess)
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == "eagle" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(SPECS)]
+)
+def test_head_drafts_keep_the_target_distribution(small_vocab, name):
+    drafter, draft_params = make_head_drafter(small_vocab, SPECS[name])
+    excess = deviation(small_vocab, drafter, draft_params)
+    assert excess <= 1.0, f"{name}: deviation {excess:.2f}x the bound"
+
+
+def test_lookup_first_keeps_the_target_distribution(small_vocab):
+    """`SpecConfig.lookup_min_match`: the prompt holds every token, so each row's root occurred before and
+    every row drafts the lookup's continuation, verified with a one-hot q. Verifying those drafts with the
+    head's q instead fails (checked)."""
+    prompt = (3, 9, 4, 11, 2, 7, 0, 1, 5, 6, 8, 10, 12, 13, 14, 15)
+    drafter, draft_params = make_drafter(small_vocab, dataclasses.replace(SPECS["eagle"], lookup_min_match=1))
+    assert isinstance(drafter, LookupFirstDrafter)
+    excess = deviation(small_vocab, drafter, draft_params, prompt)
+    assert excess <= 1.0, f"deviation {excess:.2f}x the bound"

@@ -41,6 +41,11 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
     )  # fmt: skip
     p.add_argument("--draft-lengths", type=_ints, default=_ints(lengths), help="chain lengths γ, e.g. 2,4,6")
     p.add_argument("--tree-sizes", type=_ints, default=[], help="tree node budgets for tree drafting")
+    p.add_argument(
+        "--lookup-min-match", type=_ints, default=[],
+        help="also run each head chain with prompt lookup in front (SpecConfig.lookup_min_match) at each "
+        "of these minimum match lengths, e.g. 2,3",
+    )  # fmt: skip
     p.add_argument("--tree-topk", type=int, default=4, help="children per node for tree variants")
     p.add_argument("--tree-depth", type=int, default=4, help="draft depth for tree variants")
     p.add_argument(
@@ -119,7 +124,7 @@ def _environment(peer: bool) -> str:
 
 def _default_heads(model: str, given: dict[str, str]) -> dict[str, str]:
     """--heads, completed with the heads shipped in configs/heads/MODEL/METHOD (found from the package)."""
-    from jaxspec.drafters.heads.configs import HEAD_METHODS
+    from jaxspec.config import HEAD_METHODS
     from jaxspec.drafters.heads.shipped import shipped_head
 
     heads = dict(given)
@@ -163,6 +168,7 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     variants, skipped = runner.build_variants(
         methods, tree_sizes=args.tree_sizes, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
         draft_num_layers=None if args.draft_model else args.draft_num_layers, acceptance=args.acceptance,
+        lookup_min_matches=args.lookup_min_match,
         peer_lookup_tokens=lookup, peer=use_peer, draft_model=args.draft_model,
         heads=_default_heads(args.model, args.heads),
     )  # fmt: skip

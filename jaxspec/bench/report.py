@@ -167,10 +167,17 @@ def plot_speedup_vs_draft_length(summary: dict[str, Any], path: Path) -> None:
         if r["draft_length"] and not r["tree_size"] and r["batch_size"] == 1
     )
     for i, method in enumerate(methods):
-        pts = sorted(
-            (r["draft_length"], r)
-            for r in summary["rows"]
-            if r["method"] == method and r["batch_size"] == 1 and not r["tree_size"] and r["draft_length"]
+        pts = sorted(  # the plain chains (variants of one γ, e.g. lookup-first, are rows of the table)
+            (
+                (r["draft_length"], r)
+                for r in summary["rows"]
+                if r["method"] == method
+                and r["batch_size"] == 1
+                and not r["tree_size"]
+                and r["draft_length"]
+                and not r.get("lookup_min_match")
+            ),
+            key=lambda pt: pt[0],
         )
         gammas = [g for g, _ in pts]
         color = f"C{i}"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.config import HEAD_METHODS, SamplingParams, SpecConfig
 from jaxspec.drafters.heads.shipped import RANDOM_HEAD
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.model.buckets import batch_bucket, length_bucket
@@ -123,6 +123,7 @@ def build_variants(
     tree_depth: int = 4,
     draft_num_layers: int | None = None,
     acceptance: str = "exact",
+    lookup_min_matches: Sequence[int] = (),
     peer_lookup_tokens: Sequence[int] = (),
     peer: bool = False,
     draft_model: str | None = None,
@@ -132,7 +133,9 @@ def build_variants(
 
     draft_model: name or path of the draft_model method's model (None: the target itself, truncated to
     draft_num_layers layers). heads: method -> head checkpoint for medusa / eagle / eagle3 / mtp (a
-    method without one runs a seeded random head: its c is real, its acceptance is not)."""
+    method without one runs a seeded random head: its c is real, its acceptance is not).
+    lookup_min_matches: each head chain also runs with `SpecConfig.lookup_min_match` at each of these
+    (label "METHOD γ=K, lookup ≥ n")."""
     heads = heads or {}
     variants = [Variant(label=BASELINE, method=BASELINE)]
     skipped: list[dict[str, str]] = []
@@ -152,6 +155,11 @@ def build_variants(
         for gamma in lengths:
             spec = SpecConfig(method=name, num_speculative_tokens=gamma, acceptance=acceptance, **extra)
             variants.append(Variant(f"{name} γ={gamma}{suffix}", name, spec, draft_length=gamma))
+            for match in lookup_min_matches if name in HEAD_METHODS else ():
+                hybrid = dataclasses.replace(spec, lookup_min_match=match)
+                variants.append(
+                    Variant(f"{name} γ={gamma}, lookup ≥ {match}{suffix}", name, hybrid, draft_length=gamma)
+                )
         for size in tree_sizes:
             label = f"{name} tree {size} (top-{tree_topk}, depth {tree_depth}){suffix}"
             if name in CHAIN_ONLY:

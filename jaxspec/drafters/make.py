@@ -8,6 +8,7 @@ from typing import Any
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.draft_model import DraftModelDrafter, load_draft_model
 from jaxspec.drafters.heads import registry
+from jaxspec.drafters.lookup_first import LookupFirstDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.drafters.protocol import Drafter
 
@@ -26,4 +27,8 @@ def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
             graphdef=draft.graphdef, config=draft.config, num_tokens=spec.num_speculative_tokens
         )  # fmt: skip
         return drafter, draft.params
-    return registry.make_head_drafter(model, spec)
+    drafter, params = registry.make_head_drafter(model, spec)
+    if spec.lookup_min_match:
+        match = (spec.lookup_min_match, max(spec.lookup_min_match, spec.ngram_max))
+        drafter = LookupFirstDrafter(head=drafter, min_match=match[0], max_match=match[1])
+    return drafter, params

@@ -7,7 +7,7 @@ eagle/     eagle.py (EAGLE-1/2), eagle3.py (EAGLE-3), drafter.py (EagleDrafter, 
            EAGLE-2 dynamic trees), loader.py (SafeAILab / SpecForge layouts)
 mtp/       module.py (MiMo-style MtpModule, DeepSeek-V3's DeepseekMtpModule), drafter.py (MtpDrafter),
            loader.py (MTP layers in a target checkpoint: MiMo, DeepSeek-V3)
-configs    the frozen head configs, HEAD_METHODS
+configs    the frozen head configs (the method names: jaxspec.config.HEAD_METHODS)
 layers     what the attention-based heads share: AttentionInputs (their attention step), VocabMap,
            rope; their decoder layer is `jaxspec.model.llama.DecoderLayer` (layout "split")
 head       DraftHead (config + graphdef + params), init_head / abstract_head

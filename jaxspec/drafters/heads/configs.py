@@ -14,8 +14,6 @@ from jaxspec.model.config import ModelConfig
 from jaxspec.model.deepseek_v3.config import MODEL_TYPES as DEEPSEEK_MODEL_TYPES
 from jaxspec.model.deepseek_v3.config import DeepseekV3Config
 
-HEAD_METHODS = ("medusa", "eagle", "eagle3", "mtp")
-
 
 @dataclass(frozen=True)
 class MedusaConfig:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxspec.drafters.heads.configs import HEAD_METHODS
+from jaxspec.config import HEAD_METHODS
 from jaxspec.errors import InputError, ModelLoadError
 from jaxspec.resources import configs_dir
 

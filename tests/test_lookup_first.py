@@ -1,0 +1,90 @@
+"""Prompt lookup in front of a head's chain (`SpecConfig.lookup_min_match`, `drafters.lookup_first`).
+
+The sampled-distribution test of the same drafter through the engine's round is in
+tests/test_heads_exactness.py (`test_lookup_first_keeps_the_target_distribution`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxspec
+from jaxspec import sampling
+from jaxspec.config import SamplingParams, SpecConfig
+from jaxspec.decoding.prefill import Requests, prefill
+from jaxspec.drafters.lookup_first import LookupFirstDrafter
+from jaxspec.drafters.make import make_drafter
+from jaxspec.drafters.ngram import ngram_chain
+from jaxspec.drafters.protocol import RoundContext
+from tests.tiny_models import save_tiny
+
+CHAIN = SpecConfig(method="eagle", head="random", num_speculative_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_lookup_first")
+    save_tiny("llama", path)
+    return jaxspec.load(str(path))
+
+
+def test_rows_with_a_lookup_match_draft_its_continuation_and_the_others_the_heads_chain(tiny):
+    head, params = make_drafter(tiny, CHAIN)
+    hybrid, _ = make_drafter(tiny, dataclasses.replace(CHAIN, lookup_min_match=2))
+    assert hybrid == LookupFirstDrafter(head=head, min_match=2, max_match=CHAIN.ngram_max)
+    # row 0 ends with "2 3", which occurred before (continuation 4 1 2); row 1 repeats nothing.
+    history = jnp.asarray([[1, 2, 3, 4, 1, 2, 3], [10, 11, 12, 13, 14, 15, 16]], jnp.int32)
+    requests = Requests(
+        prompt_tokens=history[:, :-1], prompt_lengths=jnp.full((2,), 6, jnp.int32),
+        max_new_tokens=jnp.full((2,), 8, jnp.int32), seeds=jnp.zeros((2,), jnp.int32),
+        request_ids=jnp.arange(2, dtype=jnp.int32),
+        sampling=sampling.SamplingArrays.from_params(SamplingParams(temperature=0.7), 2),
+    )  # fmt: skip
+    pre = prefill(tiny.graphdef, tiny.params, tiny.config, requests, 32, capture_layers=head.capture_layers)
+    state = head.init(params, tiny.params, pre, requests, 32)
+    ctx = RoundContext(
+        history=history, history_len=jnp.full((2,), 7, jnp.int32), cache_lengths=jnp.full((2,), 6, jnp.int32),
+        keys=sampling.derive_key(requests.seeds, requests.request_ids, 1, sampling.PURPOSE_DRAFT),
+        sampling=requests.sampling,
+    )  # fmt: skip
+    own, _ = head.propose(params, tiny.params, state, ctx)
+    tree, _ = hybrid.propose(params, tiny.params, state, ctx)
+    looked_up = ngram_chain(history, ctx.history_len, num_tokens=3, ngram_min=2, ngram_max=CHAIN.ngram_max)
+    np.testing.assert_array_equal(tree.tokens, [[3, 4, 1, 2], np.asarray(own.tokens[1])])
+    np.testing.assert_array_equal(tree.tokens[0], looked_up.tokens[0])
+    np.testing.assert_array_equal(tree.valid, own.valid)
+    vocab = own.q_probs.shape[-1]
+    one_hot = np.eye(vocab, dtype=np.float32)[[4, 1, 2]]
+    np.testing.assert_array_equal(tree.q_probs[0, 1:], one_hot)  # deterministic drafts: q is one-hot
+    np.testing.assert_array_equal(tree.q_probs[1], own.q_probs[1])  # the head's row keeps its own q
+
+
+def test_lookup_first_greedy_output_equals_autoregressive(tiny):
+    """Batch 4, prompts with and without repeats; the lookup chains are verified (more drafts accepted
+    than with the random head alone) and the output is the autoregressive one."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [250, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7], list(range(30, 45))]
+    reference = [c.token_ids for c in jaxspec.generate(tiny, prompts, max_new_tokens=24)]
+    plain = jaxspec.generate(tiny, prompts, max_new_tokens=24, spec=CHAIN)
+    hybrid = jaxspec.generate(
+        tiny, prompts, max_new_tokens=24, spec=dataclasses.replace(CHAIN, lookup_min_match=1)
+    )
+    assert [c.token_ids for c in plain] == reference == [c.token_ids for c in hybrid]
+    accepted = lambda out: sum(c.stats["accepted_by_depth"][0] for c in out)  # noqa: E731
+    assert accepted(hybrid) > accepted(plain)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ({"method": "ngram", "lookup_min_match": 2}, "method must be one of"),
+        ({"method": "eagle", "topk": 2, "num_draft_tokens": 5, "lookup_min_match": 2}, "with a chain"),
+        ({"method": "eagle", "lookup_min_match": -1}, "lookup_min_match must be >= 0"),
+    ],
+)
+def test_lookup_first_needs_a_head_chain(spec, message):
+    with pytest.raises(ValueError, match=message):
+        SpecConfig.from_dict(spec)
