@@ -94,4 +94,7 @@ def test_installed_demo_runs_from_an_empty_folder(installed, tmp_path):
         "demo", "--max-new-tokens", "6", "--prompt", "Name a colour.",
     )  # fmt: skip
     assert str(installed / "jaxspec" / "configs" / "heads" / "smollm2-135m" / "eagle3") in out
-    assert "decode tok/s" in out and "summary: eagle3 chain of 3 vs autoregressive, 1 prompt:" in out
+    assert (
+        "decode tok/s" in out
+        and "summary: eagle3 chain of 3, prompt lookup first (match >= 3) vs autoregressive, 1 prompt:" in out
+    )
