@@ -189,6 +189,7 @@ def _run_demo(args: argparse.Namespace, prompts: list[str]) -> None:
     methods = [None] if spec is None else [None, spec]
     head = f" (head {spec.head})" if spec is not None and spec.head else ""
     print(f"comparing: {' vs '.join(_describe(m) for m in methods)}{head}\n", flush=True)
+    width = max(24, *(len(_describe(m)) for m in methods))
     warm: set = set()
     rows: list[list[tuple[float, float, float]]] = []
     same = 0
@@ -197,12 +198,12 @@ def _run_demo(args: argparse.Namespace, prompts: list[str]) -> None:
         results = [_timed_run(model, inp, args, sampling, m, warm) for m in methods]
         print(f"{results[-1][0].text}\n")
         same += results[0][0].token_ids == results[-1][0].token_ids
-        print(f"  {'method':<24} {'TTFT':>8} {'decode tok/s':>13} {'tau':>6} {'speedup':>8}")
+        print(f"  {'method':<{width}} {'TTFT':>8} {'decode tok/s':>13} {'tau':>6} {'speedup':>8}")
         row = []
         for m, (c, ttft, decode) in zip(methods, results, strict=True):
             tau = c.stats["mean_accepted_length"] if m is not None else 1.0
             speedup = decode / results[0][2]
-            print(f"  {_describe(m):<24} {ttft:>7.3f}s {decode:>13.1f} {tau:>6.2f} {speedup:>7.2f}x")
+            print(f"  {_describe(m):<{width}} {ttft:>7.3f}s {decode:>13.1f} {tau:>6.2f} {speedup:>7.2f}x")
             row.append((ttft, decode, tau))
         rows.append(row)
         print(flush=True)
