@@ -88,3 +88,11 @@ def test_lookup_first_greedy_output_equals_autoregressive(tiny):
 def test_lookup_first_needs_a_head_chain(spec, message):
     with pytest.raises(ValueError, match=message):
         SpecConfig.from_dict(spec)
+
+
+def test_lookup_first_refuses_a_medusa_tree_preset(tiny):
+    """A Medusa tree from extra 'tree_preset' passes SpecConfig's own checks (topk 1, no tree_choices):
+    `make_drafter` names the problem instead of failing inside the compiled round."""
+    spec = SpecConfig(method="medusa", head="random", lookup_min_match=2, extra=(("tree_preset", "tree_16"),))
+    with pytest.raises(jaxspec.JaxspecError, match="lookup_min_match needs a head chain; this medusa spec"):
+        make_drafter(tiny, spec)

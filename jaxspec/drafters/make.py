@@ -11,6 +11,7 @@ from jaxspec.drafters.heads import registry
 from jaxspec.drafters.lookup_first import LookupFirstDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.drafters.protocol import Drafter
+from jaxspec.errors import InputError
 
 
 def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
@@ -29,6 +30,12 @@ def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
         return drafter, draft.params
     drafter, params = registry.make_head_drafter(model, spec)
     if spec.lookup_min_match:
-        match = (spec.lookup_min_match, max(spec.lookup_min_match, spec.ngram_max))
-        drafter = LookupFirstDrafter(head=drafter, min_match=match[0], max_match=match[1])
+        if drafter.num_nodes != drafter.max_depth + 1:  # e.g. a Medusa tree from extra 'tree_preset'
+            raise InputError(
+                f"SpecConfig.lookup_min_match needs a head chain; this {spec.method} spec drafts a tree of "
+                f"{drafter.num_nodes} nodes"
+            )
+        shortest = spec.lookup_min_match
+        longest = max(shortest, spec.ngram_max)
+        drafter = LookupFirstDrafter(head=drafter, min_match=shortest, max_match=longest)
     return drafter, params
