@@ -184,7 +184,7 @@ def deviation(model, drafter, draft_params, prompt: tuple[int, ...] = tuple(PROM
                     drafter=drafter,
                     prompt=prompt,
                 )
-            )  # fmt: skip
+            )
             for i in range(NUM_SAMPLES // CHUNK)
         ]
     )
