@@ -572,6 +572,69 @@ def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_p
     assert validated[-1]["val_depth_acc"][0] > validated[0]["val_depth_acc"][0]
     assert validated[-1]["val_tau_proxy"] == pytest.approx(tau_proxy(validated[-1]["val_depth_acc"]))
     assert tau_proxy([0.5, 0.5]) == pytest.approx(1.75)
+    # Medusa also logs its heads' rank accuracies (a calibrated tree's input): rank 0 is top-1 agreement.
+    rank_acc = np.asarray(validated[-1]["val_rank_acc"])
+    assert rank_acc.shape == (2, 10) and np.all(rank_acc.sum(1) <= 1 + 1e-6) and rank_acc[:, 1:].sum() > 0
+    np.testing.assert_allclose(rank_acc[:, 0], validated[-1]["val_depth_acc"], atol=1e-6)
+
+
+def test_label_rank_counts_the_tokens_that_score_above_the_label():
+    import jax.numpy as jnp
+
+    from jaxspec.train.losses import label_rank
+
+    logits = np.random.default_rng(0).normal(size=(3, 5, 40)).astype(np.float32)
+    labels = np.random.default_rng(1).integers(0, 40, (3, 5))
+    order = np.argsort(-logits, -1)  # no ties in normal draws
+    expected = np.argmax(order == labels[..., None], -1)
+    np.testing.assert_array_equal(np.asarray(label_rank(jnp.asarray(logits), jnp.asarray(labels))), expected)
+
+
+def test_a_medusa_head_exports_its_rank_accuracies_and_drafts_the_tree_they_calibrate(
+    tiny, tiny_model, rows, tmp_path
+):
+    """`jaxspec train --method medusa --val-fraction F`: the exported head carries tree_calibration.json
+    (its last validation's rank accuracies), and SpecConfig(topk > 1) without choices drafts the tree
+    `calibrated_tree_choices` builds from it; a head without one is refused with a message naming the
+    file, a corrupt one with the file's path."""
+    from jaxspec.cli import main
+    from jaxspec.config import SpecConfig
+    from jaxspec.drafters.heads import registry
+    from jaxspec.drafters.tree_build import (
+        CALIBRATION_FILE,
+        calibrated_tree_choices,
+        static_tree_from_choices,
+    )
+    from jaxspec.errors import InputError
+
+    work = tmp_path / "work"
+    work.mkdir()
+    append_jsonl_rows(work / "distill.jsonl", rows)
+    assert main([
+        "train", "--method", "medusa", "--model", str(tiny), "--workdir", str(work), "--stages",
+        "train,export", "--feature-mode", "online", "--steps", "2", "--max-len", "32", "--depth", "2",
+        "--num-positions", "8", "--batch-size", "4", "--save-dtype", "float32", "--no-progress",
+        "--val-fraction", "0.3", "--eval-every", "1", "--eval-batches", "2", "--output", str(work / "head"),
+    ]) == 0  # fmt: skip
+    calibration = json.loads((work / "head" / CALIBRATION_FILE).read_text())
+    metrics = [json.loads(line) for line in (work / "run_medusa" / "metrics.jsonl").open()]
+    last = [e for e in metrics if "val_rank_acc" in e][-1]
+    np.testing.assert_allclose(calibration["rank_accuracy"], last["val_rank_acc"], atol=1e-6)
+    assert calibration["step"] == 2 and "8 of" in calibration["measured_on"]
+
+    spec = SpecConfig(method="medusa", head=str(work / "head"), num_speculative_tokens=2, topk=3,
+                      num_draft_tokens=5)  # fmt: skip
+    drafter, _ = registry.make_head_drafter(tiny_model, spec)
+    accuracy = np.asarray(calibration["rank_accuracy"])[:, :3]
+    assert drafter.static_tree == static_tree_from_choices(calibrated_tree_choices(accuracy, 5))
+    assert drafter.num_nodes == 6
+
+    (work / "head" / CALIBRATION_FILE).write_text('{"rank_accuracy": [[0.5, 2.0]]}')
+    with pytest.raises(InputError, match=str(work / "head" / CALIBRATION_FILE)):
+        registry.make_head_drafter(tiny_model, spec)
+    (work / "head" / CALIBRATION_FILE).unlink()
+    with pytest.raises(InputError, match=CALIBRATION_FILE):
+        registry.make_head_drafter(tiny_model, spec)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])

@@ -10,9 +10,11 @@ import pytest
 from jaxspec.drafters.tree_build import (
     TREE_PRESETS_PATH,
     FrontierExpansion,
+    calibrated_tree_choices,
     candidate_pool_offset,
     candidate_pool_size,
     expand_frontier,
+    expected_accepted_drafts,
     fill_static_tree,
     load_tree_preset,
     root_frontier,
@@ -256,3 +258,39 @@ def test_eagle_draft_loop_building_blocks_match_reference():
             parent_token = got.tokens[b, got.parent[b, i]]
             assert got.tokens[b, i] in np.argsort(-table[parent_token])[:topk]
     assert_well_formed(tree)
+
+
+def all_trees(depth: int, ranks: int, size: int):
+    """Every prefix-closed set of `size` Medusa paths over `depth` heads x top-`ranks` (brute force)."""
+    import itertools
+
+    paths = [p for d in range(1, depth + 1) for p in itertools.product(range(ranks), repeat=d)]
+    for subset in itertools.combinations(paths, size):
+        chosen = set(subset)
+        if all(len(p) == 1 or p[:-1] in chosen for p in chosen):
+            yield subset
+
+
+@pytest.mark.parametrize("depth,ranks,seed", [(2, 3, 0), (3, 2, 1), (3, 2, 2)])
+def test_calibrated_tree_is_the_best_tree_of_its_size(depth, ranks, seed):
+    """Medusa's calibrated tree has the largest expected accepted length of every tree of its size
+    (brute force over all prefix-closed path sets), for sizes 1 to all paths, and is a valid tree."""
+    acc = np.random.default_rng(seed).uniform(0.0, 1.0, (depth, ranks))
+    acc /= acc.sum(1, keepdims=True) * 1.05  # a head's ranks cannot be right more than once in all
+    total = sum(ranks**d for d in range(1, depth + 1))
+    for size in range(1, total + 1):
+        choices = calibrated_tree_choices(acc, size)
+        best = max(expected_accepted_drafts(t, acc) for t in all_trees(depth, ranks, size))
+        assert expected_accepted_drafts(choices, acc) == pytest.approx(best, rel=1e-12), size
+        assert static_tree_from_choices(choices).num_nodes == size + 1
+
+
+def test_calibrated_tree_takes_paths_best_first_and_refuses_what_does_not_fit():
+    acc = np.array([[0.5, 0.25, 0.1], [0.6, 0.28, 0.0]])
+    # values: (0,) .5, (0, 0) .3, (1,) .25, (1, 0) .15, (0, 1) .14, (2,) .1, ...
+    assert calibrated_tree_choices(acc, 5) == ((0,), (0, 0), (1,), (1, 0), (0, 1))
+    assert expected_accepted_drafts(((0,), (0, 0)), acc) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="13 paths do not fit 2 heads x top-3"):
+        calibrated_tree_choices(acc, 13)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        calibrated_tree_choices(acc * 3, 2)

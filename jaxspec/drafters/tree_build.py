@@ -2,7 +2,9 @@
 
 Static trees. A Medusa tree is a list of paths of top-k ranks, one rank per depth: (0,) is head 0's
 best token, (1, 0) is head 0's second best followed by head 1's best. Medusa heads predict depth d
-independently of the parent, so node (r_1, .., r_d) simply takes head d-1's rank-r_d token.
+independently of the parent, so node (r_1, .., r_d) simply takes head d-1's rank-r_d token. A tree
+comes from explicit choices, a named preset, or a head's own calibration (`calibrated_tree_choices`
+over the rank accuracies that `jaxspec train` measures on held-out data, CALIBRATION_FILE).
 
 Dynamic trees (EAGLE-2, as in the EAGLE repo's `topK_genrate` and SGLang's `select_top_k_tokens` /
 `organize_draft_results`). The draft loop runs `num_steps` head forwards:
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +109,74 @@ def load_tree_preset(name: str, path: str | Path = TREE_PRESETS_PATH) -> StaticT
     if name not in presets:
         raise ValueError(f"{path}: unknown tree preset {name!r} (known: {sorted(presets)})")
     return static_tree_from_choices(presets[name]["choices"])
+
+
+CALIBRATION_FILE = "tree_calibration.json"
+
+
+def calibrated_tree_choices(rank_accuracy: np.ndarray, num_paths: int) -> tuple[tuple[int, ...], ...]:
+    """The Medusa tree of `num_paths` drafts with the most expected accepted tokens, from how often each
+    head's rank-r token is the right one (Medusa's own recipe for its trees, e.g. mc_sim_7b_63).
+
+    rank_accuracy: [D, R] float, row d = head d (the draft at depth d + 1), column r = the fraction of
+      held-out positions whose right token is that head's rank-r token.
+    A path (r_1, .., r_d) is accepted when every head along it is right, which the recipe takes as
+    independent: its value is prod_j rank_accuracy[j - 1, r_j], and the tree's expected accepted drafts
+    are the sum of its paths' values. A child's value never exceeds its parent's (accuracies <= 1), so
+    adding the best path whose parent is in the tree, `num_paths` times (best first), gives a tree of
+    the largest sum (and parents before children, as `static_tree_from_choices` needs). Ties go to the
+    shorter path, then the lower ranks. Returns the paths in the order they were taken.
+    """
+    acc = np.asarray(rank_accuracy, np.float64)
+    if acc.ndim != 2 or acc.shape[0] < 1 or acc.shape[1] < 1:
+        raise ValueError(f"calibrated_tree_choices: rank_accuracy must be [heads, ranks], got {acc.shape}")
+    if not np.all((acc >= 0) & (acc <= 1)):
+        raise ValueError("calibrated_tree_choices: rank accuracies must lie in [0, 1]")
+    depth, ranks = acc.shape
+    if not 1 <= num_paths <= sum(ranks**d for d in range(1, depth + 1)):
+        raise ValueError(f"calibrated_tree_choices: {num_paths} paths do not fit {depth} heads x top-{ranks}")
+    frontier = [(-acc[0, r], 1, (r,)) for r in range(ranks)]
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while len(chosen) < num_paths:
+        negative, length, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if length < depth:
+            for r in range(ranks):
+                heapq.heappush(frontier, (negative * acc[length, r], length + 1, path + (r,)))
+    return tuple(chosen)
+
+
+def expected_accepted_drafts(choices: Sequence[Sequence[int]], rank_accuracy: np.ndarray) -> float:
+    """Sum over paths of prod_j rank_accuracy[j - 1, r_j]: the drafts a round accepts on average under
+    `calibrated_tree_choices`' independence assumption (τ = 1 + this)."""
+    acc = np.asarray(rank_accuracy, np.float64)
+    return float(sum(np.prod([acc[j, r] for j, r in enumerate(path)]) for path in choices))
+
+
+def save_tree_calibration(directory: str | Path, rank_accuracy: np.ndarray, **info: Any) -> Path:
+    """Write a head's rank accuracies ([D, R], `calibrated_tree_choices`) to directory/CALIBRATION_FILE,
+    with `info` (where they were measured) beside them."""
+    acc = np.asarray(rank_accuracy, np.float64)
+    path = Path(directory) / CALIBRATION_FILE
+    path.write_text(json.dumps({"rank_accuracy": acc.round(6).tolist(), **info}, indent=1) + "\n")
+    return path
+
+
+def load_tree_calibration(directory: str | Path) -> np.ndarray | None:
+    """A head directory's rank accuracies [D, R] (None when it has no CALIBRATION_FILE).
+
+    Raises ValueError naming the file when it is not a [heads, ranks] table of numbers in [0, 1]."""
+    path = Path(directory) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        acc = np.asarray(json.loads(path.read_text())["rank_accuracy"], np.float64)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: not a tree calibration ({error})") from None
+    if acc.ndim != 2 or acc.size == 0 or not np.all((acc >= 0) & (acc <= 1)):
+        raise ValueError(f"{path}: rank_accuracy must be a [heads, ranks] table of numbers in [0, 1]")
+    return acc
 
 
 @functools.partial(jax.jit, static_argnames=("static",))

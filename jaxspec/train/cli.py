@@ -130,6 +130,11 @@ def add_parser(subparsers) -> None:
         help="hold out this fraction of the non-templated sequences (Magpie, derived) for validation",
     )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=100, help="validation interval in steps")
+    p.add_argument(
+        "--eval-batches", type=int, default=4,
+        help="validation batches of --batch-size held-out sequences (the first ones); Medusa's tree "
+        "calibration (tree_calibration.json in the exported head) comes from them",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--mesh", default=None, metavar="DATAxMODEL",
@@ -428,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
             weight_decay=args.weight_decay, clip_norm=args.clip_norm, seed=args.seed,
             checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
             log_every=args.log_every,
-            window=args.window, eval_every=args.eval_every,
+            window=args.window, eval_every=args.eval_every, eval_batches=args.eval_batches,
         )  # fmt: skip
         online = args.feature_mode == "online" or args.backbone_weight > 0
         source = OnlineSource(rows, args.max_len) if online else FeatureStore.open(store_path)
@@ -480,6 +485,17 @@ def run(args: argparse.Namespace) -> int:
             save_head(
                 output, head.config, head.graphdef, params, dtype=args.save_dtype, info=info, curves=curves
             )
+            calibrated = [e for e in result.metrics if "val_rank_acc" in e]
+            if calibrated:  # Medusa: rank accuracies on held-out data, for trees calibrated to this head
+                from jaxspec.drafters.tree_build import save_tree_calibration
+
+                size = args.batch_size
+                evaluated = min(args.eval_batches, validation.num_sequences // size) * size
+                save_tree_calibration(
+                    output, np.asarray(calibrated[-1]["val_rank_acc"]), step=calibrated[-1]["step"],
+                    measured_on=f"{evaluated} of {validation.num_sequences} held-out sequences of "
+                    f"{args.dataset or args.workdir}, {_num_positions(args)} positions each",
+                )  # fmt: skip
             print(f"saved {args.method} head to {output}")
         barrier("export/saved")
     return 0

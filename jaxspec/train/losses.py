@@ -48,6 +48,8 @@ from jaxspec.model.forward import embed_tokens, lm_logits
 EAGLE_VALUE_WEIGHT = 1.0
 EAGLE_PROB_WEIGHT = 0.1
 EAGLE3_STEP_DECAY = 0.8
+# Ranks a Medusa head's rank accuracies cover (`rank_acc`; a calibrated tree uses top-k <= this).
+MEDUSA_CALIBRATION_RANKS = 10
 
 
 def label_mask(batch: dict[str, jax.Array], offset: int, n: int) -> jax.Array:
@@ -93,6 +95,13 @@ def hard_ce(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]
     logits = logits.astype(jnp.float32)
     ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
     return ce, (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+
+
+def label_rank(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """logits [..., V], labels [...] -> [...] int32: how many tokens score above the label (0 = top-1)."""
+    logits = logits.astype(jnp.float32)
+    label_logit = jnp.take_along_axis(logits, labels[..., None], -1)
+    return (logits > label_logit).sum(-1).astype(jnp.int32)
 
 
 def soft_ce(logits: jax.Array, target_probs: jax.Array) -> jax.Array:
@@ -185,15 +194,19 @@ class Objective:
         n = hidden.shape[1]
         idx, weight = sample_positions(key, label_mask(batch, 2, n), self.num_positions)
         logits = medusa_logits(self.head_graphdef, params, take(hidden, idx), target_lm)  # [B, P, K, V]
-        losses, accs = [], []
+        losses, accs, rank_accs = [], [], []
         for j in range(self.depth):
             labels = take(shifted(tokens, 2 + j, n), idx)
             w = weight * take(label_mask(batch, 2 + j, n), idx)
             ce, correct = self._mixed_ce(logits[:, :, j], labels, hidden, idx, 2 + j, target_lm)
             losses.append(masked_mean(ce, w))
             accs.append(masked_mean(correct, w))
+            ranks = jax.nn.one_hot(label_rank(logits[:, :, j], labels), MEDUSA_CALIBRATION_RANKS)
+            rank_accs.append((ranks * w[..., None]).sum((0, 1)) / jnp.maximum(w.sum(), 1.0))
         depth_loss = jnp.stack(losses)
-        return depth_loss.sum(), {"depth_loss": depth_loss, "depth_acc": jnp.stack(accs)}
+        # rank_acc [K, R]: head j's rank-r token is the label (a calibrated Medusa tree's input).
+        metrics = {"depth_loss": depth_loss, "depth_acc": jnp.stack(accs), "rank_acc": jnp.stack(rank_accs)}
+        return depth_loss.sum(), metrics
 
     def _eagle(self, params, batch, key, target_lm, target_embed):
         head = nnx.merge(self.head_graphdef, params)

@@ -380,7 +380,10 @@ def train(
             runs = [_to_host(eval_step(trainable, fixed, b, eval_key)) for b in eval_batches]
             acc = np.mean([r["depth_acc"] for r in runs], axis=0).tolist()
             loss = float(np.mean([r["loss"] for r in runs]))
-            return {"val_loss": loss, "val_depth_acc": acc, "val_tau_proxy": tau_proxy(acc)}
+            out = {"val_loss": loss, "val_depth_acc": acc, "val_tau_proxy": tau_proxy(acc)}
+            if "rank_acc" in runs[0]:  # Medusa: the rank accuracies a calibrated tree is built from
+                out["val_rank_acc"] = np.mean([r["rank_acc"] for r in runs], axis=0).tolist()
+            return out
 
     end = max(start, min(config.steps, stop_after if stop_after is not None else config.steps))
     began = time.perf_counter()

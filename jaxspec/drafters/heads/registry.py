@@ -7,7 +7,8 @@ there is none: `jaxspec.drafters.heads.shipped.resolve_head`), or for "mtp" on a
 num_nextn_predict_layers >= 1, the MTP layers of the target's own checkpoint; "random" for a seeded
 random head (correctness tests, cost measurements; quality needs a trained head). Shapes of the draft:
   chain (topk == 1): num_speculative_tokens sampled drafts with their q recorded (exact verification);
-  Medusa static tree: spec.tree_choices, or extra "tree_preset" (configs/medusa_trees.json);
+  Medusa static tree: spec.tree_choices, extra "tree_preset" (configs/medusa_trees.json), or topk > 1
+    alone: the tree calibrated to the head (its directory's tree_calibration.json, `medusa_tree`);
   EAGLE / EAGLE-3 / MTP dynamic tree (topk > 1): depth = num_speculative_tokens, num_draft_tokens nodes
   (default min(topk * depth, pool size)).
 
@@ -24,7 +25,10 @@ Draft parameters: {"head": head parameters, "hook": hook parameters or ()}; a lo
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.heads.configs import (
@@ -43,8 +47,11 @@ from jaxspec.drafters.heads.medusa.drafter import MedusaDrafter
 from jaxspec.drafters.heads.mtp.drafter import MtpDrafter
 from jaxspec.drafters.heads.shipped import RANDOM_HEAD, resolve_head
 from jaxspec.drafters.tree_build import (
+    CALIBRATION_FILE,
     StaticTree,
+    calibrated_tree_choices,
     candidate_pool_size,
+    load_tree_calibration,
     load_tree_preset,
     static_tree_from_choices,
 )
@@ -56,8 +63,13 @@ def _extra(spec: SpecConfig) -> dict[str, Any]:
     return dict(spec.extra)
 
 
-def medusa_tree(spec: SpecConfig) -> StaticTree | None:
-    """The static tree of a Medusa spec, or None for a chain."""
+def medusa_tree(spec: SpecConfig, calibration: np.ndarray | None = None) -> StaticTree | None:
+    """The static tree of a Medusa spec, or None for a chain.
+
+    calibration: the head's rank accuracies [heads, ranks] (`load_tree_calibration`), or None. With
+    neither tree_choices nor a preset, topk > 1 drafts the calibrated tree (`calibrated_tree_choices`)
+    of num_draft_tokens paths (default topk * depth) over ranks < topk and depths <= min(depth, heads).
+    """
     preset = _extra(spec).get("tree_preset")
     if spec.tree_choices is not None and preset is not None:
         raise InputError("SpecConfig: give tree_choices or extra 'tree_preset', not both")
@@ -66,10 +78,18 @@ def medusa_tree(spec: SpecConfig) -> StaticTree | None:
     if preset is not None:
         return load_tree_preset(preset)
     if spec.topk > 1:
-        raise InputError(
-            "medusa drafts trees from SpecConfig.tree_choices or extra 'tree_preset'; "
-            "topk > 1 alone is not a tree"
-        )
+        if calibration is None:
+            raise InputError(
+                "medusa drafts trees from SpecConfig.tree_choices, extra 'tree_preset' or the head's "
+                f"{CALIBRATION_FILE} (written by `jaxspec train`); this head has none and topk > 1 alone "
+                "is not a tree"
+            )
+        acc = calibration[: spec.num_speculative_tokens, : spec.topk]
+        size = spec.num_draft_tokens or spec.topk * spec.num_speculative_tokens
+        try:
+            return static_tree_from_choices(calibrated_tree_choices(acc, size))
+        except ValueError as error:
+            raise InputError(f"SpecConfig.num_draft_tokens={size}: {error}") from None
     return None
 
 
@@ -103,16 +123,22 @@ def random_head_config(model, spec: SpecConfig) -> HeadConfig:
     raise InputError(f"make_head_drafter: {spec.method!r} is not a head method")
 
 
-@functools.lru_cache(maxsize=8)
-def _head_for(model, spec: SpecConfig) -> DraftHead:
+def head_path(model, spec: SpecConfig) -> str | None:
+    """The directory spec's head loads from (None for a random head)."""
     if spec.head == RANDOM_HEAD:
-        return init_head(random_head_config(model, spec), model.dtype, int(_extra(spec).get("seed", 0)))
+        return None
     path = spec.head
     if path is None and spec.method == "mtp" and isinstance(model.config, DeepseekV3Config):
         if model.config.num_nextn_predict_layers:  # DeepSeek-V3: the MTP layers of its own checkpoint
             path = model.source
+    return path if path is not None else resolve_head(model.source, spec.method, None)
+
+
+@functools.lru_cache(maxsize=8)
+def _head_for(model, spec: SpecConfig) -> DraftHead:
+    path = head_path(model, spec)
     if path is None:
-        path = resolve_head(model.source, spec.method, None)
+        return init_head(random_head_config(model, spec), model.dtype, int(_extra(spec).get("seed", 0)))
     return load_head(path, spec.method, model.config, model.dtype, _extra(spec))
 
 
@@ -167,7 +193,12 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
     config = head.config
     depth = spec.num_speculative_tokens
     if isinstance(config, MedusaConfig):
-        tree = medusa_tree(spec)
+        path = head_path(model, spec)
+        try:
+            calibration = load_tree_calibration(path) if path is not None and Path(path).is_dir() else None
+        except ValueError as error:
+            raise InputError(str(error)) from None
+        tree = medusa_tree(spec, calibration)
         needed = tree.max_depth if tree is not None else depth
         if needed > config.num_heads:
             raise InputError(
