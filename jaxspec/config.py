@@ -49,6 +49,7 @@ def _as_tuples(value: Any) -> Any:
 # The drafting methods; every one runs in `jaxspec.generate` and in continuous batching.
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
 HEAD_METHODS = ("medusa", "eagle", "eagle3", "mtp")
+TOKEN_MAP_METHODS = ("eagle", "mtp")  # heads whose drafts go through the target's LM head each step
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class SpecConfig:
         tokens occurred earlier in its prompt + output drafts the continuation of that occurrence
         (prompt lookup) instead of the head's chain that round (`drafters.lookup_first`). Lossless:
         the choice reads only the row's history.
+    token_map: eagle (EAGLE-1) and mtp, which draft through the target's LM head: a .npy file of
+        target token ids (or "shipped": the model's shipped map, configs/heads/MODEL/token_map.npy) that
+        the draft ranks and samples over, FR-Spec's frequency-ranked draft vocabulary (SGLang's
+        --speculative-token-map). A draft step then reads those rows of the LM head only. Lossless:
+        the chain's q is zero outside the map and the verify is unchanged. None (default) = the whole
+        vocabulary. EAGLE-3 heads always draft over their own draft vocabulary.
     """
 
     method: str | None = None
@@ -86,6 +93,7 @@ class SpecConfig:
     tree_choices: tuple[tuple[int, ...], ...] | None = None  # static (Medusa-style) tree
     attention: str = "auto"
     lookup_min_match: int = 0
+    token_map: str | None = None
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     @classmethod
@@ -130,6 +138,11 @@ class SpecConfig:
             raise ValueError("SpecConfig.topk must be >= 1")
         if self.lookup_min_match < 0:
             raise ValueError(f"SpecConfig.lookup_min_match must be >= 0, got {self.lookup_min_match}")
+        if self.token_map is not None and self.method not in TOKEN_MAP_METHODS:
+            raise ValueError(
+                f"SpecConfig.token_map restricts the drafts of heads that draft through the target's LM "
+                f"head ({', '.join(TOKEN_MAP_METHODS)}), not method {self.method!r}"
+            )
         is_chain = self.topk == 1 and self.num_draft_tokens is None and self.tree_choices is None
         if self.lookup_min_match and not (is_chain and self.method in HEAD_METHODS):
             raise ValueError(

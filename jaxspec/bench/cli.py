@@ -46,6 +46,11 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
         help="also run each head chain with prompt lookup in front (SpecConfig.lookup_min_match) at each "
         "of these minimum match lengths, e.g. 2,3",
     )  # fmt: skip
+    p.add_argument(
+        "--token-map", default=None, metavar="FILE|shipped",
+        help="also run each eagle / mtp variant drafting over this token map (SpecConfig.token_map, "
+        "FR-Spec; 'shipped' = the model's configs/heads/MODEL/token_map.npy)",
+    )  # fmt: skip
     p.add_argument("--tree-topk", type=int, default=4, help="children per node for tree variants")
     p.add_argument("--tree-depth", type=int, default=4, help="draft depth for tree variants")
     p.add_argument(
@@ -168,7 +173,7 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     variants, skipped = runner.build_variants(
         methods, tree_sizes=args.tree_sizes, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
         draft_num_layers=None if args.draft_model else args.draft_num_layers, acceptance=args.acceptance,
-        lookup_min_matches=args.lookup_min_match,
+        lookup_min_matches=args.lookup_min_match, token_map=args.token_map,
         peer_lookup_tokens=lookup, peer=use_peer, draft_model=args.draft_model,
         heads=_default_heads(args.model, args.heads),
     )  # fmt: skip

@@ -167,7 +167,7 @@ def plot_speedup_vs_draft_length(summary: dict[str, Any], path: Path) -> None:
         if r["draft_length"] and not r["tree_size"] and r["batch_size"] == 1
     )
     for i, method in enumerate(methods):
-        pts = sorted(  # the plain chains (variants of one γ, e.g. lookup-first, are rows of the table)
+        pts = sorted(  # plain chains (variants of a γ: lookup-first, a token map, are table rows)
             (
                 (r["draft_length"], r)
                 for r in summary["rows"]
@@ -176,6 +176,7 @@ def plot_speedup_vs_draft_length(summary: dict[str, Any], path: Path) -> None:
                 and not r["tree_size"]
                 and r["draft_length"]
                 and not r.get("lookup_min_match")
+                and not r.get("token_map")
             ),
             key=lambda pt: pt[0],
         )

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxspec.config import HEAD_METHODS, SamplingParams, SpecConfig
+from jaxspec.config import HEAD_METHODS, TOKEN_MAP_METHODS, SamplingParams, SpecConfig
 from jaxspec.drafters.heads.shipped import RANDOM_HEAD
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.model.buckets import batch_bucket, length_bucket
@@ -124,6 +124,7 @@ def build_variants(
     draft_num_layers: int | None = None,
     acceptance: str = "exact",
     lookup_min_matches: Sequence[int] = (),
+    token_map: str | None = None,
     peer_lookup_tokens: Sequence[int] = (),
     peer: bool = False,
     draft_model: str | None = None,
@@ -135,7 +136,8 @@ def build_variants(
     draft_num_layers layers). heads: method -> head checkpoint for medusa / eagle / eagle3 / mtp (a
     method without one runs a seeded random head: its c is real, its acceptance is not).
     lookup_min_matches: each head chain also runs with `SpecConfig.lookup_min_match` at each of these
-    (label "METHOD γ=K, lookup ≥ n")."""
+    (label "METHOD γ=K, lookup ≥ n"). token_map: every eagle / mtp variant also runs drafting over this
+    token map (SpecConfig.token_map; label suffix ", token map")."""
     heads = heads or {}
     variants = [Variant(label=BASELINE, method=BASELINE)]
     skipped: list[dict[str, str]] = []
@@ -170,6 +172,14 @@ def build_variants(
                 acceptance=acceptance, **extra,
             )  # fmt: skip
             variants.append(Variant(label, name, spec, draft_length=tree_depth, tree_size=size))
+        if token_map is not None and name in TOKEN_MAP_METHODS:
+            mine = [v for v in variants if v.method == name and v.spec is not None]
+            variants.extend(
+                dataclasses.replace(
+                    v, label=v.label + ", token map", spec=dataclasses.replace(v.spec, token_map=token_map)
+                )
+                for v in mine
+            )
     if peer:
         variants.append(Variant(label=PEER_AR, method="transformers", engine="transformers"))
         for k in peer_lookup_tokens:

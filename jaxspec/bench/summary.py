@@ -54,6 +54,7 @@ def summarize_selection(
         "draft_length": variant.get("draft_length"),
         "tree_size": variant.get("tree_size"),
         "lookup_min_match": (variant.get("spec") or {}).get("lookup_min_match", 0),
+        "token_map": (variant.get("spec") or {}).get("token_map"),
         "repeats": len(repeats),
         "new_tokens": metrics.total_new_tokens(mine[repeats[0]]) if repeats else 0,
         "tokens_per_s": metrics.median(tps),

@@ -9,7 +9,8 @@ processor the target side uses, DESIGN invariant 2):
     None. Their ranking scores are log q for sampled rows (tokens the processor removes score -inf and
     are never drafted) and the raw log-softmax for greedy rows (whose q is one-hot).
 
-Draft parameters: {"head": the head's parameters, "hook": the hook's parameters (() without hook)}.
+Draft parameters: {"head": the head's parameters, "hook": the hook's parameters (() without hook),
+"token_map": `token_map_params` (() without a token map)}.
 
 Logits hook: a drafter may carry a static, hashable `logits_hook(hook_params, logits, predicted_index)
 -> logits`, applied to every draft logits array before processing; predicted_index holds, with the
@@ -23,7 +24,9 @@ that subset (`DraftVocabulary`): processing, ranking, top-k and sampling run ove
 the chosen indices map to target ids, as EAGLE-3's reference drafts with `d2t`; a chain's q is put
 back on the target vocabulary (zero outside) for verification. The same distributions and, with
 ascending ids, the same greedy tokens and tie-breaks as processing the target-vocabulary logits that
-are -inf outside the subset, without V-wide passes per draft step.
+are -inf outside the subset, without V-wide passes per draft step. Heads that draft through the
+target's LM head (EAGLE-1, MTP) can draft over a token map the same way (SpecConfig.token_map,
+FR-Spec): their logits are the LM head's rows of the map's tokens only (`token_map_logits`).
 
 The drafter classes live in the families' subpackages: medusa/drafter.py, eagle/drafter.py, mtp/drafter.py.
 """
@@ -32,10 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec import sampling
 from jaxspec.drafters.protocol import RoundContext
@@ -46,6 +51,8 @@ from jaxspec.drafters.tree_build import (
     select_dynamic_tree,
     stack_candidates,
 )
+from jaxspec.errors import InputError
+from jaxspec.model.llama import project
 from jaxspec.sampling.tree import DraftTree, chain_tree
 
 
@@ -79,6 +86,37 @@ class DraftVocabulary:
         """probs [..., V_d] -> [..., size]: the same distribution over the target vocabulary."""
         full = jnp.zeros(probs.shape[:-1] + (self.size,), probs.dtype)
         return full.at[..., self.ids].set(probs)
+
+
+def read_token_map(path: str | Path, vocab_size: int) -> np.ndarray:
+    """A token map file (SpecConfig.token_map): a .npy of distinct target token ids in [0, vocab_size)
+    -> those ids sorted ascending, int32 (ascending ids keep greedy tie-breaks as the whole vocabulary
+    has them). Raises InputError naming the file and what is wrong."""
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise InputError(f"token map {path}: not a readable .npy file ({error})") from None
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise InputError(
+            f"token map {path}: need a non-empty 1-D array of token ids, got {ids.dtype} {ids.shape}"
+        )
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise InputError(f"token map {path}: ids must lie in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
+    if np.unique(ids).size != ids.size:
+        raise InputError(f"token map {path}: {ids.size - np.unique(ids).size} repeated ids")
+    return np.sort(ids).astype(np.int32)
+
+
+def token_map_params(ids: np.ndarray, lm_head_rows: jax.Array) -> dict[str, jax.Array]:
+    """draft_params["token_map"] for a drafter with token_map=True: ids [V_d] int32 and the LM head's
+    rows of those tokens [V_d, d] (gathered once, so a draft step reads only them)."""
+    index = jnp.asarray(ids, jnp.int32)
+    return {"ids": index, "rows": jnp.take(lm_head_rows, index, axis=0)}
+
+
+def token_map_logits(draft_params: dict, hidden: jax.Array) -> jax.Array:
+    """hidden [..., d] (after the final norm) -> float32 logits [..., V_d] over the token map's rows."""
+    return project(draft_params["token_map"]["rows"], hidden, jnp.float32)
 
 
 def candidate_scores(logits: jax.Array, params: sampling.SamplingArrays) -> jax.Array:

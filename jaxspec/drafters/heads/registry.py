@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.heads.configs import (
@@ -40,12 +41,13 @@ from jaxspec.drafters.heads.configs import (
     default_eagle3_layers,
     head_layer_config,
 )
+from jaxspec.drafters.heads.drafting import read_token_map, token_map_params
 from jaxspec.drafters.heads.eagle.drafter import EagleDrafter
 from jaxspec.drafters.heads.head import DraftHead, init_head
 from jaxspec.drafters.heads.loaders import load_head
 from jaxspec.drafters.heads.medusa.drafter import MedusaDrafter
 from jaxspec.drafters.heads.mtp.drafter import MtpDrafter
-from jaxspec.drafters.heads.shipped import RANDOM_HEAD, resolve_head
+from jaxspec.drafters.heads.shipped import RANDOM_HEAD, resolve_head, resolve_token_map
 from jaxspec.drafters.tree_build import (
     CALIBRATION_FILE,
     StaticTree,
@@ -192,6 +194,13 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
     check_head_fits(head, model)
     config = head.config
     depth = spec.num_speculative_tokens
+    token_map, token_data = spec.token_map is not None, ()
+    if token_map:
+        if hook is not None:
+            raise InputError("SpecConfig.token_map: a logits hook rewrites whole-vocabulary logits; drop one")
+        path = resolve_token_map(model.source, spec.token_map)
+        ids = read_token_map(path, model.config.vocab_size)
+        token_data = token_map_params(ids, nnx.merge(model.graphdef, model.params).lm_head_rows())
     if isinstance(config, MedusaConfig):
         path = head_path(model, spec)
         try:
@@ -225,8 +234,9 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
             num_draft_tokens=tree_size,
             logits_hook=hook,
             capture_layers=layers,
+            token_map=token_map,
         )
-        return drafter, {"head": head.params, "hook": hook_data}
+        return drafter, {"head": head.params, "hook": hook_data, "token_map": token_data}
     drafter = MtpDrafter(
         target_graphdef=model.graphdef,
         module_graphdef=head.graphdef,
@@ -235,5 +245,6 @@ def make_head_drafter(model, spec: SpecConfig, *, logits_hook: Any = None, hook_
         topk=spec.topk,
         num_draft_tokens=tree_size,
         logits_hook=hook,
+        token_map=token_map,
     )
-    return drafter, {"head": head.params, "hook": hook_data}
+    return drafter, {"head": head.params, "hook": hook_data, "token_map": token_data}

@@ -16,6 +16,8 @@ from jaxspec.errors import InputError, ModelLoadError
 from jaxspec.resources import configs_dir
 
 RANDOM_HEAD = "random"
+SHIPPED_TOKEN_MAP = "shipped"
+TOKEN_MAP_FILE = "token_map.npy"
 
 
 def shipped_heads_dir() -> Path:
@@ -29,8 +31,8 @@ def shipped_head(model: str, method: str) -> str | None:
     return str(path) if method in HEAD_METHODS and (path / "jaxspec_head.json").is_file() else None
 
 
-def shipped_head_for_source(source: str, method: str) -> str | None:
-    """The shipped head for a loaded model, given its resolved file or folder (`Model.source`).
+def shipped_model_dir(source: str) -> Path | None:
+    """configs/heads/NAME for a loaded model, given its resolved file or folder (`Model.source`), or None.
 
     Heads are shipped under model names (configs/heads/NAME); a name matches when it resolves to the
     same file (`jaxspec.loading.registry.resolve_model_path`), or when `source` is the name itself."""
@@ -41,14 +43,35 @@ def shipped_head_for_source(source: str, method: str) -> str | None:
         return None
     for name_dir in sorted(p for p in heads.iterdir() if p.is_dir()):
         if name_dir.name == source:
-            return shipped_head(name_dir.name, method)
+            return name_dir
         try:
             same = resolve_model_path(name_dir.name).resolve() == Path(source).resolve()
         except ModelLoadError:
             continue
         if same:
-            return shipped_head(name_dir.name, method)
+            return name_dir
     return None
+
+
+def shipped_head_for_source(source: str, method: str) -> str | None:
+    """The shipped head for a loaded model (`shipped_model_dir`), or None."""
+    name_dir = shipped_model_dir(source)
+    return shipped_head(name_dir.name, method) if name_dir is not None else None
+
+
+def resolve_token_map(source: str, token_map: str) -> str:
+    """SpecConfig.token_map as a file: the path itself, or for "shipped" (SHIPPED_TOKEN_MAP) the model's
+    configs/heads/NAME/token_map.npy. Raises InputError when nothing is shipped for that model."""
+    if token_map != SHIPPED_TOKEN_MAP:
+        return token_map
+    name_dir = shipped_model_dir(source)
+    path = name_dir / TOKEN_MAP_FILE if name_dir is not None else None
+    if path is None or not path.is_file():
+        raise InputError(
+            f"SpecConfig(token_map={SHIPPED_TOKEN_MAP!r}): no token map is shipped for model {source!r} in "
+            f"{shipped_heads_dir()}; pass token_map=FILE (a .npy of token ids)"
+        )
+    return str(path)
 
 
 def resolve_head(source: str, method: str, head: str | None) -> str:

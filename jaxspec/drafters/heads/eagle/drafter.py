@@ -36,6 +36,7 @@ from jaxspec.drafters.heads.drafting import (
     candidate_scores,
     dynamic_tree,
     sampled_chain,
+    token_map_logits,
 )
 from jaxspec.drafters.heads.layers import AttentionInputs, causal_visible, empty_cache_inputs
 from jaxspec.drafters.protocol import RoundContext, root_token
@@ -74,20 +75,26 @@ class EagleDrafter(ChainOrDynamicTreeShape):
     num_draft_tokens: int | None = None  # dynamic tree size; None = chain
     logits_hook: Any = None
     capture_layers: tuple[int, ...] = ()
+    token_map: bool = False  # EAGLE-1: draft over draft_params["token_map"] (SpecConfig.token_map)
 
     def _modules(self, draft_params, target_params):
         head = nnx.merge(self.head_graphdef, draft_params["head"])
         return head, nnx.merge(self.target_graphdef, target_params)
 
-    def draft_vocabulary(self, head) -> DraftVocabulary | None:
-        """EAGLE-3 drafts over its own draft vocabulary; EAGLE-1 (the target's LM head) and a drafter
-        with a logits hook (which rewrites target-vocabulary logits) over the target vocabulary."""
+    def draft_vocabulary(self, head, draft_params) -> DraftVocabulary | None:
+        """EAGLE-3 drafts over its own draft vocabulary, EAGLE-1 with a token map over the map; EAGLE-1
+        otherwise (the target's LM head) and a drafter with a logits hook (which rewrites
+        target-vocabulary logits) over the target vocabulary."""
         if isinstance(self.config, Eagle3Config) and self.logits_hook is None:
             return DraftVocabulary(head.target_ids(), self.config.layer.vocab_size)
+        if self.token_map:
+            return DraftVocabulary(draft_params["token_map"]["ids"], self.config.layer.vocab_size)
         return None
 
     def _logits(self, head, target, vocab, draft_params, hidden: jax.Array, predicted_index) -> jax.Array:
         """hidden [..., d] -> logits [..., V_d] over `vocab`, or [..., V] (hook applied) without one."""
+        if self.token_map:
+            return head.logits(hidden, lambda normed: token_map_logits(draft_params, normed))
         if vocab is not None:
             return head.draft_logits(hidden)
         logits = head.logits(hidden, target.lm_logits)
@@ -156,7 +163,7 @@ class EagleDrafter(ChainOrDynamicTreeShape):
         # 2. the predicted feature at the root (the chunk's last real pair) and the depth-1 logits.
         root_hidden = jnp.take_along_axis(out, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
         c = ctx.cache_lengths
-        vocab = self.draft_vocabulary(head)
+        vocab = self.draft_vocabulary(head, draft_params)
         root_logits = self._logits(head, target, vocab, draft_params, root_hidden, c + 1)
         committed = (slots[None, :] < length[:, None])[:, None, :]
 

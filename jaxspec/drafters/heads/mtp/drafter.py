@@ -28,10 +28,12 @@ from flax import nnx
 from jaxspec.drafters.heads.configs import MtpConfig
 from jaxspec.drafters.heads.drafting import (
     ChainOrDynamicTreeShape,
+    DraftVocabulary,
     apply_hook,
     candidate_scores,
     dynamic_tree,
     sampled_chain,
+    token_map_logits,
 )
 from jaxspec.drafters.heads.layers import AttentionInputs, causal_visible, empty_cache_inputs
 from jaxspec.drafters.heads.mtp.module import mtp_logits, mtp_module_forward
@@ -67,6 +69,7 @@ class MtpDrafter(ChainOrDynamicTreeShape):
     num_draft_tokens: int | None = None  # dynamic tree size; None = chain
     logits_hook: Any = None
     capture_layers: tuple[int, ...] = ()
+    token_map: bool = False  # draft over draft_params["token_map"] (SpecConfig.token_map)
 
     @property
     def window(self) -> int:
@@ -156,9 +159,11 @@ class MtpDrafter(ChainOrDynamicTreeShape):
                 inputs,
             )
             last = normed.reshape(batch, num_paths, w, -1)[:, :, w - 1]
-            logits = apply_hook(
-                self.logits_hook, draft_params, mtp_logits(last, target.lm_logits), (c + step + 1)[:, None]
-            )
+            if self.token_map:  # [B, P, V_d] over the map's tokens
+                logits = mtp_logits(last, lambda x: token_map_logits(draft_params, x))
+            else:
+                lm = mtp_logits(last, target.lm_logits)
+                logits = apply_hook(self.logits_hook, draft_params, lm, (c + step + 1)[:, None])
             return passed.reshape(batch, num_paths, w, -1), logits, (k[:, :, :w], v[:, :, :w])
 
         def record(stack, step, kv):
@@ -173,6 +178,9 @@ class MtpDrafter(ChainOrDynamicTreeShape):
             jnp.zeros((depth, batch, key_heads, w, key_dim), state.cache.keys.dtype),
             jnp.zeros((depth, batch, value_heads, w, value_dim), state.cache.keys.dtype),
         )
+        vocab = None
+        if self.token_map:
+            vocab = DraftVocabulary(draft_params["token_map"]["ids"], self.config.layer.vocab_size)
         no_drafts = jnp.zeros((batch, 1, depth), jnp.int32)
         passed, logits, kv = run_module(0, state.features[:, None], no_drafts)
         stack = record(stack, 0, kv)
@@ -187,7 +195,7 @@ class MtpDrafter(ChainOrDynamicTreeShape):
                 return logits[:, 0], (hidden, paths, record(kv_stack, step, kv))
 
             tree, (_, _, stack) = sampled_chain(
-                root, logits[:, 0], chain_step, (passed, no_drafts, stack), depth=depth, ctx=ctx
+                root, logits[:, 0], chain_step, (passed, no_drafts, stack), depth=depth, ctx=ctx, vocab=vocab
             )
         else:
             width = self.topk
@@ -212,6 +220,7 @@ class MtpDrafter(ChainOrDynamicTreeShape):
                 topk=width,
                 num_steps=depth,
                 num_draft_tokens=self.num_draft_tokens,
+                vocab=vocab,
             )
 
         write = jax.vmap(
