@@ -41,7 +41,7 @@ def _spec_from_args(args: argparse.Namespace):
     lookup = args.lookup_min_match if args.spec in HEAD_METHODS and args.topk == 1 else 0
     return SpecConfig(
         method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head,
-        lookup_min_match=lookup,
+        lookup_min_match=lookup, token_map=args.token_map,
     )  # fmt: skip
 
 
@@ -71,6 +71,10 @@ def _add_generation_args(
         help="head chains: a row whose last N or more tokens occurred before drafts their continuation "
         f"(prompt lookup) instead of the head's chain; 0 = off (default {default_lookup_min_match})",
     )  # fmt: skip
+    p.add_argument(
+        "--token-map", metavar="FILE|shipped",
+        help="eagle / mtp: draft over these token ids only (a .npy; 'shipped' = the model's, FR-Spec)",
+    )  # fmt: skip
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
 
@@ -93,7 +97,10 @@ def _prepare(args: argparse.Namespace, prompts: list[str]):
         sampling = jaxspec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as exc:  # names the parameter: SamplingParams.top_k must be ...
         raise jaxspec.InputError(str(exc)) from None
-    spec = _spec_from_args(args)
+    try:
+        spec = _spec_from_args(args)
+    except ValueError as exc:  # names the field: SpecConfig.token_map restricts ...
+        raise jaxspec.InputError(str(exc)) from None
     if args.no_chat or model.tokenizer is None or model.tokenizer.chat_template is None:
         inputs = list(prompts)
     else:
@@ -106,7 +113,8 @@ def _describe(spec) -> str:
         return "autoregressive"
     shape = f"chain of {spec.num_speculative_tokens}" if spec.topk == 1 else f"tree (top-{spec.topk})"
     lookup = f", prompt lookup first (match >= {spec.lookup_min_match})" if spec.lookup_min_match else ""
-    return f"{spec.method} {shape}{lookup}"
+    token_map = f", token map {spec.token_map}" if spec.token_map else ""
+    return f"{spec.method} {shape}{lookup}{token_map}"
 
 
 class _Printer:

@@ -17,6 +17,7 @@ def _args(**overrides) -> argparse.Namespace:
         "num_speculative_tokens": 3,
         "topk": 1,
         "lookup_min_match": 0,
+        "token_map": None,
     }
     return argparse.Namespace(**{**values, **overrides})
 
@@ -28,6 +29,9 @@ def test_head_methods_default_to_the_shipped_head():
     assert _spec_from_args(_args(spec="eagle3", lookup_min_match=3)).lookup_min_match == 3
     assert _spec_from_args(_args(spec="ngram", lookup_min_match=3)).lookup_min_match == 0  # heads only
     assert _spec_from_args(_args(spec="medusa", head="/some/head")).head == "/some/head"
+    assert _spec_from_args(_args(spec="eagle", token_map="shipped")).token_map == "shipped"
+    with pytest.raises(ValueError, match="token_map restricts the drafts of heads"):
+        _spec_from_args(_args(spec="eagle3", token_map="shipped"))
     assert _spec_from_args(_args(spec="ngram")).head is None
 
 
