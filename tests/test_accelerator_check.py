@@ -40,13 +40,25 @@ def test_smoke_run_writes_a_well_formed_report(tmp_path):
     assert ar["leading_tokens_equal"] >= 1  # same weights on both sides: the first greedy token agrees
     (row,) = results["kernel"]
     assert row["max_abs_err"] < 5e-2 and row["kernel_us"] > 0 and row["dot_product_attention_us"] > 0
+    tuning = results["tuning"]  # the Triton kernel's launch grid, interpreted on CPU
+    assert len(tuning["rows"]) == len(results["plan"]["tuning_configs"]) and all(
+        r["us"] > 0 for r in tuning["rows"]
+    )
+    assert tuning["best"] in results["plan"]["tuning_configs"]
+    assert row["tuned_config"] == tuning["best"] and row["tuned_us"] > 0 and row["tuned_max_abs_err"] < 5e-2
     predicted = [p for p in results["predictions"] if p["predicted_speedup"] is not None]
     assert predicted, "no method of the CPU benchmarks got a prediction"
     for p in predicted:
         assert p["predicted_speedup"] == pytest.approx(p["tau"] / (p["v_device"] + p["gamma"] * p["c_cpu"]))
 
     report = (tmp_path / "report.md").read_text()
-    for heading in ("Decode and verify step times", "Autoregressive tokens/s", "Tree attention", "Predicted"):
+    headings = (
+        "Decode and verify step times",
+        "Autoregressive tokens/s",
+        "Triton kernel launch",
+        "Tree attention",
+    )
+    for heading in (*headings, "Predicted"):
         assert f"## {heading}" in report
     assert "| tiny | 1 | auto |" in report and "SMOKE RUN" in report
     assert ar["attention"] == "auto" and steps["1"]["attention"] == "auto"
@@ -91,3 +103,29 @@ def test_random_weights_are_the_same_model_in_torch_and_jaxspec():
     with torch.no_grad():
         theirs = torch_model(torch.as_tensor(ids[None]).long()).logits[0].numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_sections_pick_what_runs_and_bad_flags_are_named(tmp_path, capsys, monkeypatch):
+    """--sections runs only the named sections; an unknown section or a malformed size list is a
+    one-line usage error naming the flag."""
+    import importlib.util
+
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):  # the script sets them; undone after this test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+
+    spec = importlib.util.spec_from_file_location("accelerator_check", REPO / "scripts/accelerator_check.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for argv, message in (
+        (["--smoke", "--sections", "kernels,warp"], "--sections: unknown ['warp']"),
+        (["--smoke", "--kernel-nodes", "4,x"], "--kernel-nodes: expected comma-separated integers"),
+    ):
+        with pytest.raises(SystemExit):
+            script.main([*argv, "--out", str(tmp_path)])
+        assert message in capsys.readouterr().err
+    assert (
+        script.main(["--smoke", "--sections", "kernels", "--kernel-nodes", "1", "--out", str(tmp_path)]) == 0
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["step_times"] == {"tiny": {}} and results["ar"] is None and results["tuning"] is None
+    assert [(r["batch"], r["nodes"]) for r in results["kernel"]] == [(1, 1)]

@@ -6,13 +6,17 @@ On a GPU/TPU host it measures, in one process and within a time budget:
   2. autoregressive tokens/s at batch 1, jaxspec against transformers (torch, same dtype, same
      weights: the torch model is initialised randomly and its tensors loaded into jaxspec, static cache);
   3. the tree-attention kernel against the XLA reference and `jax.nn.dot_product_attention`, with
-     achieved HBM bandwidth (K/V bytes a perfect kernel reads / time);
+     achieved HBM bandwidth (K/V bytes a perfect kernel reads / time), each timed inside one compiled
+     loop over enough input copies to defeat the L2 cache (`kernels.loop_seconds`); before the sweep,
+     on GPU, a small tuning grid of the Triton kernel's launch parameters (block_kv, num_warps,
+     num_stages), whose best setting is timed beside the defaults in the sweep;
   4. predicted speedups of the methods in the latest CPU benchmarks: τ (hardware independent) from
      their JSON, v(N) from (1), c from the CPU run (the draft round is not timed here):
      τ / (v(N) + γ·c).
-Sections run in that order of priority; one that would start after the budget is recorded as skipped,
-so the run ends in time. Off `--smoke`, an error in one measurement is recorded and the run goes on
-(one chance on the device); `--smoke` runs the same code on CPU at tiny shapes and raises.
+Sections (`SECTIONS`; `--sections` picks some) run in that order of priority; one that would start
+after the budget is recorded as skipped, so the run ends in time. Off `--smoke`, an error in one
+measurement is recorded and the run goes on (one chance on the device); `--smoke` runs the same code
+on CPU at tiny shapes and raises.
 """
 
 from __future__ import annotations
@@ -34,13 +38,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec import sampling
-from jaxspec.bench.kernels import DEFAULT_PEAK_GBPS, kv_bytes, make_inputs, median_seconds
+from jaxspec.bench.kernels import (
+    DEFAULT_PEAK_GBPS,
+    input_copies,
+    kv_bytes,
+    loop_seconds,
+    make_inputs,
+    median_seconds,
+)
 from jaxspec.bench.step_costs import forward_step_times
 from jaxspec.config import SamplingParams
 from jaxspec.decoding.prefill import Requests
 from jaxspec.model.buckets import length_bucket
 from jaxspec.model.config import ModelConfig
-from pallas_kernels import tree_attention
+from pallas_kernels import tree_attention, tree_attention_gpu
 
 MODEL_SHAPES = {
     "llama-3.1-8b": ModelConfig(
@@ -60,9 +71,17 @@ MODEL_SHAPES = {
 }  # fmt: skip
 
 
+# What a run can measure, in the order it runs them: batch-1 step times of the AR model, the AR
+# comparison, the GPU kernel's tuning grid, the kernel sweep, batch-1 step times of the other models,
+# step times of the AR model at the larger batches.
+SECTIONS = ("steps", "ar", "tuning", "kernels", "other_models", "large_batches")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What one run measures. kernel_heads: (Hq, Hkv, D) of the kernel sweep."""
+    """What one run measures. kernel_heads: (Hq, Hkv, D) of the kernel sweep and tuning;
+    tuning_shapes: (batch, prefix, nodes); tuning_configs: (block_kv, num_warps, num_stages) of the
+    Triton kernel."""
 
     step_models: tuple[str, ...]
     step_batches: tuple[int, ...]
@@ -74,8 +93,14 @@ class Plan:
     kernel_prefixes: tuple[int, ...]
     kernel_nodes: tuple[int, ...]
     kernel_heads: tuple[int, int, int]
+    tuning_shapes: tuple[tuple[int, int, int], ...] = ((1, 32768, 4), (8, 8192, 16))
+    tuning_configs: tuple[tuple[int, int, int], ...] = tuple(
+        (block_kv, warps, stages) for block_kv in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)
+    )
+    sections: tuple[str, ...] = SECTIONS
     dtype: str = "bfloat16"
     iters: int = 10
+    kernel_iters: int = 32
     budget_s: float = 420.0
     smoke: bool = False
 
@@ -89,8 +114,8 @@ FULL_PLAN = Plan(
 SMOKE_PLAN = Plan(
     step_models=("tiny",), step_batches=(1, 2), step_nodes=(1, 4), step_prefix=64, ar_model="tiny",
     ar_new_tokens=8, kernel_batches=(1,), kernel_prefixes=(256,), kernel_nodes=(4,),
-    kernel_heads=(4, 2, 64),
-    iters=2, budget_s=75.0, smoke=True,
+    kernel_heads=(4, 2, 64), tuning_shapes=((1, 256, 4),), tuning_configs=((16, 4, 2), (32, 4, 2)),
+    iters=2, kernel_iters=2, budget_s=75.0, smoke=True,
 )  # fmt: skip
 
 
@@ -333,23 +358,94 @@ def ar_comparison(
     return result
 
 
-def kernel_row(batch: int, prefix: int, nodes: int, plan: Plan, peak_gbps: float | None) -> dict:
+def _kernel_inputs(plan: Plan, batch: int, prefix: int, nodes: int) -> list[dict[str, jax.Array]]:
+    """The operands at this shape, in enough copies to defeat the cache (one in a smoke run)."""
     q_heads, kv_heads, head_dim = plan.kernel_heads
-    inputs = make_inputs(
-        batch, prefix, nodes, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=plan.dtype
+
+    def make(seed: int) -> dict[str, jax.Array]:
+        return make_inputs(
+            batch, prefix, nodes, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=plan.dtype,
+            seed=seed,
+        )  # fmt: skip
+
+    inputs = make(0)
+    return [inputs] if plan.smoke else input_copies(inputs, make)
+
+
+def _gpu_kernel(plan: Plan, config: tuple[int, int, int]) -> Callable[..., jax.Array]:
+    """The Triton kernel at one (block_kv, num_warps, num_stages); interpreted on CPU (smoke)."""
+    block_kv, num_warps, num_stages = config
+    return functools.partial(
+        tree_attention_gpu, scale=plan.kernel_heads[2] ** -0.5, block_kv=block_kv, num_warps=num_warps,
+        num_stages=num_stages, interpret=jax.default_backend() == "cpu",
+    )  # fmt: skip
+
+
+def kernel_tuning(recorder: Recorder) -> dict:
+    """Times the Triton kernel at each of plan.tuning_configs on each of plan.tuning_shapes.
+    Returns {"rows": [{shape, config, us}], "best": config with the lowest geometric-mean time}."""
+    plan = recorder.plan
+    rows = []
+    for batch, prefix, nodes in plan.tuning_shapes:
+        copies = _kernel_inputs(plan, batch, prefix, nodes)
+        for config in plan.tuning_configs:
+            seconds = recorder.run(
+                f"tuning batch {batch} prefix {prefix} nodes {nodes} config {config}",
+                lambda c=config, x=copies: loop_seconds(_gpu_kernel(plan, c), x, plan.kernel_iters),
+                3.0,
+            )  # fmt: skip
+            if seconds is not None:
+                rows.append({
+                    "batch": batch, "prefix": prefix, "nodes": nodes, "config": list(config),
+                    "us": seconds * 1e6, "gbps": kv_bytes(copies[0]) / seconds / 1e9,
+                })  # fmt: skip
+    shapes = {(r["batch"], r["prefix"], r["nodes"]) for r in rows}
+    complete = [
+        c for c in plan.tuning_configs
+        if sum(1 for r in rows if tuple(r["config"]) == c) == len(shapes) and shapes
+    ]  # fmt: skip
+
+    def log_mean(config: tuple[int, int, int]) -> float:
+        return statistics.mean(math.log(r["us"]) for r in rows if tuple(r["config"]) == config)
+
+    return {"rows": rows, "best": list(min(complete, key=log_mean)) if complete else None}
+
+
+def kernel_row(
+    batch: int, prefix: int, nodes: int, plan: Plan, peak_gbps: float | None, tuned: list[int] | None = None
+) -> dict:
+    copies = _kernel_inputs(plan, batch, prefix, nodes)
+    inputs = copies[0]
+    scale = plan.kernel_heads[2] ** -0.5
+    kernel = functools.partial(tree_attention, scale=scale, impl="pallas")
+    reference = functools.partial(tree_attention, scale=scale, impl="reference")
+    dpa = functools.partial(_dpa, scale=scale)
+    iters = plan.kernel_iters
+    row: dict[str, Any] = {"batch": batch, "prefix": prefix, "nodes": nodes, "copies": len(copies)}
+    row["kernel_us"] = loop_seconds(kernel, copies, iters) * 1e6
+    row["reference_us"] = loop_seconds(reference, copies, iters) * 1e6
+    row["dot_product_attention_us"] = loop_seconds(dpa, copies, iters) * 1e6
+    error = jnp.max(
+        jnp.abs(
+            jax.jit(kernel)(**inputs).astype(jnp.float32) - jax.jit(reference)(**inputs).astype(jnp.float32)
+        )
     )
-    scale = head_dim**-0.5
-    kernel = jax.jit(functools.partial(tree_attention, scale=scale, impl="pallas"))
-    reference = jax.jit(functools.partial(tree_attention, scale=scale, impl="reference"))
-    repeats = 1 if plan.smoke else plan.iters
-    row: dict[str, Any] = {"batch": batch, "prefix": prefix, "nodes": nodes}
-    row["kernel_us"] = median_seconds(lambda: kernel(**inputs), repeats) * 1e6
-    row["reference_us"] = median_seconds(lambda: reference(**inputs), repeats) * 1e6
-    row["dot_product_attention_us"] = median_seconds(lambda: _dpa(**inputs, scale=scale), repeats) * 1e6
-    error = jnp.max(jnp.abs(kernel(**inputs).astype(jnp.float32) - reference(**inputs).astype(jnp.float32)))
     row["max_abs_err"] = float(error)
     row["kernel_gbps"] = kv_bytes(inputs) / (row["kernel_us"] * 1e-6) / 1e9
     row["of_peak"] = row["kernel_gbps"] / peak_gbps if peak_gbps else None
+    row["tuned_config"] = tuned
+    if tuned is not None:
+        tuned_kernel = _gpu_kernel(plan, tuple(tuned))
+        row["tuned_us"] = loop_seconds(tuned_kernel, copies, iters) * 1e6
+        row["tuned_gbps"] = kv_bytes(inputs) / (row["tuned_us"] * 1e-6) / 1e9
+        row["tuned_of_peak"] = row["tuned_gbps"] / peak_gbps if peak_gbps else None
+        tuned_error = jnp.max(
+            jnp.abs(
+                jax.jit(tuned_kernel)(**inputs).astype(jnp.float32)
+                - jax.jit(reference)(**inputs).astype(jnp.float32)
+            )
+        )
+        row["tuned_max_abs_err"] = float(tuned_error)
     return row
 
 
@@ -415,49 +511,65 @@ def run_check(plan: Plan, bench_dir: Path) -> dict:
     peak = None if backend == "cpu" else DEFAULT_PEAK_GBPS.get(backend)
     results["peak_gbps"] = peak
 
+    wants = set(plan.sections)
+    results["tuning"] = None
+
     # 1 + 2: the AR model first (batch 1 v(N), then the AR comparison on the same weights).
     first = plan.ar_model
     config = MODEL_SHAPES[first]
-    torch_model = recorder.run(
-        f"random torch model {first}", lambda: torch_random_model(config, plan.dtype), 30.0
-    )
-    model = recorder.run(
-        f"random jax model {first}", lambda: random_model(config, plan.dtype, torch_model), 30.0
-    )
+    torch_model = model = None
+    if "ar" in wants:
+        torch_model = recorder.run(
+            f"random torch model {first}", lambda: torch_random_model(config, plan.dtype), 30.0
+        )
+    if wants & {"steps", "ar", "large_batches"}:
+        model = recorder.run(
+            f"random jax model {first}", lambda: random_model(config, plan.dtype, torch_model), 30.0
+        )
+    results["step_times"][first] = {}
     if model is not None:
         graphdef, params = model
-        results["step_times"][first] = step_times(recorder, first, graphdef, params, plan.step_batches[:1])
-        results["ar"] = recorder.run_attention(
-            f"AR tok/s {first}",
-            lambda attention: ar_comparison(
-                graphdef, params, torch_model, config, plan.ar_new_tokens, attention
-            ),
-            60.0,
-        )
+        if "steps" in wants:
+            results["step_times"][first] = step_times(
+                recorder, first, graphdef, params, plan.step_batches[:1]
+            )
+        if "ar" in wants:
+            results["ar"] = recorder.run_attention(
+                f"AR tok/s {first}",
+                lambda attention: ar_comparison(
+                    graphdef, params, torch_model, config, plan.ar_new_tokens, attention
+                ),
+                60.0,
+            )
     torch_model = None  # free the torch copy (and its cached device memory) before the kernel sweep
     _release_torch_memory()
 
-    # 3: the kernel sweep.
-    for batch in plan.kernel_batches:
-        for prefix in plan.kernel_prefixes:
-            for nodes in plan.kernel_nodes:
-                row = recorder.run(
-                    f"kernel batch {batch} prefix {prefix} nodes {nodes}",
-                    lambda b=batch, p=prefix, n=nodes: kernel_row(b, p, n, plan, peak),
-                    6.0,
-                )
-                if row is not None:
-                    results["kernel"].append(row)
+    # 3: the Triton kernel's tuning grid (GPU; interpreted in a smoke run), then the kernel sweep.
+    tuned = None
+    if "tuning" in wants and backend in ("gpu", "cpu"):
+        results["tuning"] = kernel_tuning(recorder)
+        tuned = results["tuning"]["best"]
+    if "kernels" in wants:
+        for batch in plan.kernel_batches:
+            for prefix in plan.kernel_prefixes:
+                for nodes in plan.kernel_nodes:
+                    row = recorder.run(
+                        f"kernel batch {batch} prefix {prefix} nodes {nodes}",
+                        lambda b=batch, p=prefix, n=nodes: kernel_row(b, p, n, plan, peak, tuned),
+                        8.0,
+                    )
+                    if row is not None:
+                        results["kernel"].append(row)
 
     # Then the other models at batch 1, then the larger batches.
-    others = [m for m in plan.step_models if m != first]
-    for name in others:
-        built = recorder.run(
-            f"random jax model {name}", lambda n=name: random_model(MODEL_SHAPES[n], plan.dtype), 20.0
-        )
-        if built is not None:
-            results["step_times"][name] = step_times(recorder, name, *built, plan.step_batches[:1])
-    if model is not None:
+    if "other_models" in wants:
+        for name in [m for m in plan.step_models if m != first]:
+            built = recorder.run(
+                f"random jax model {name}", lambda n=name: random_model(MODEL_SHAPES[n], plan.dtype), 20.0
+            )
+            if built is not None:
+                results["step_times"][name] = step_times(recorder, name, *built, plan.step_batches[:1])
+    if model is not None and "large_batches" in wants:
         results["step_times"][first].update(step_times(recorder, first, *model, plan.step_batches[1:]))
 
     v_batch1 = results["step_times"].get(first, {}).get(plan.step_batches[0], {}).get("v", {})
@@ -509,19 +621,44 @@ def report_markdown(results: dict, command: str) -> str:
         ]
     else:
         lines.append("not measured (see errors / skipped)")
-    lines += ["", "## Tree attention: Pallas kernel vs XLA reference vs jax.nn.dot_product_attention", ""]
     q_heads, kv_heads, head_dim = results["plan"]["kernel_heads"]
-    lines += [f"Hq={q_heads} Hkv={kv_heads} D={head_dim}; bandwidth = K/V bytes read / kernel time.", ""]
+    tuning = results.get("tuning")
+    if tuning:
+        lines += ["", "## Triton kernel launch parameters (tuning grid)", ""]
+        lines += [
+            f"Hq={q_heads} Hkv={kv_heads} D={head_dim}; µs per call (GB/s of K/V read), timed in one "
+            f"compiled loop; best (lowest geometric mean over the shapes): {tuning['best']}.",
+            "",
+        ]
+        shapes = sorted({(r["batch"], r["prefix"], r["nodes"]) for r in tuning["rows"]})
+        lines += ["| block_kv, warps, stages | " + " | ".join(f"B{b} P{p} N{n}" for b, p, n in shapes) + " |"]
+        lines += ["|" + "---|" * (1 + len(shapes))]
+        by_config: dict[tuple, dict] = {}
+        for r in tuning["rows"]:
+            by_config.setdefault(tuple(r["config"]), {})[(r["batch"], r["prefix"], r["nodes"])] = r
+        for config, cells in by_config.items():
+            row = " | ".join(
+                f"{cells[x]['us']:.1f} ({cells[x]['gbps']:.0f})" if x in cells else "—" for x in shapes
+            )
+            lines.append(f"| {', '.join(map(str, config))} | {row} |")
+    lines += ["", "## Tree attention: Pallas kernel vs XLA reference vs jax.nn.dot_product_attention", ""]
     lines += [
-        "| batch | prefix | nodes | kernel us | reference us | dot_product_attention us | GB/s | of peak "
-        "| max err |"
+        f"Hq={q_heads} Hkv={kv_heads} D={head_dim}; µs per call timed inside one compiled loop over `copies` "
+        "input sets (K/V read from HBM, not L2); bandwidth = K/V bytes read / kernel time. "
+        "tuned = the kernel at the tuning grid's best launch parameters.",
+        "",
     ]
-    lines += ["|" + "---|" * 9]
+    lines += [
+        "| batch | prefix | nodes | copies | kernel us | tuned us | reference us | dot_product_attention us "
+        "| GB/s | of peak | tuned GB/s | tuned of peak | max err |"
+    ]
+    lines += ["|" + "---|" * 13]
     for r in results["kernel"]:
         lines.append(
-            f"| {r['batch']} | {r['prefix']} | {r['nodes']} | {r['kernel_us']:.1f} | "
-            f"{r['reference_us']:.1f} | "
+            f"| {r['batch']} | {r['prefix']} | {r['nodes']} | {r.get('copies', 1)} | {r['kernel_us']:.1f} | "
+            f"{_fmt(r.get('tuned_us'), '.1f')} | {r['reference_us']:.1f} | "
             f"{r['dot_product_attention_us']:.1f} | {r['kernel_gbps']:.1f} | {_fmt(r['of_peak'], '.1%')} | "
+            f"{_fmt(r.get('tuned_gbps'), '.1f')} | {_fmt(r.get('tuned_of_peak'), '.1%')} | "
             f"{r['max_abs_err']:.2e} |"
         )
     lines += ["", "## Predicted speedups on this device", ""]
