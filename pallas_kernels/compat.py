@@ -12,11 +12,15 @@ neither exists the error says which jax is installed and which API is missing.
   PrefetchScalarGridSpec, VMEM   TPU grid spec with scalar prefetch, VMEM scratch shapes.
   kernel_launches          the pallas_calls of a traced program with their per-program blocks
                            (reads jaxpr internals: the grid mapping of each call).
+  gpu_lowering_target      lowering a Triton kernel with no GPU present: jax 0.11 asks for the
+                           target GPU as an abstract device (older releases lower without one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -109,3 +113,18 @@ def kernel_launches(closed_jaxpr: Any) -> list[KernelLaunch]:
 
     visit(closed_jaxpr.jaxpr)
     return launches
+
+
+@contextlib.contextmanager
+def gpu_lowering_target(device_kind: str = "NVIDIA H200") -> Iterator[None]:
+    """Within this block, `.lower(lowering_platforms=("cuda",))` of a Triton kernel works on a
+    machine without a GPU: the target is named as an abstract device (jax >= 0.11 reads the compute
+    capability from it). Where jax has no abstract devices, nothing is needed and nothing is done."""
+    abstract_device = getattr(jax.sharding, "AbstractDevice", None)
+    use_abstract_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+    if abstract_device is None or use_abstract_mesh is None:
+        yield
+        return
+    device = abstract_device(device_kind=device_kind, num_cores=None, platform="cuda")
+    with use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        yield
