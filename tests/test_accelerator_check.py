@@ -45,6 +45,8 @@ def test_smoke_run_writes_a_well_formed_report(tmp_path):
         r["us"] > 0 for r in tuning["rows"]
     )
     assert tuning["best"] in results["plan"]["tuning_configs"]
+    fastest = min(tuning["rows"], key=lambda r: r["us"])
+    assert tuning["best_by_shape"] == {"1x256x4": fastest["config"]}
     assert row["tuned_config"] == tuning["best"] and row["tuned_us"] > 0 and row["tuned_max_abs_err"] < 5e-2
     predicted = [p for p in results["predictions"] if p["predicted_speedup"] is not None]
     assert predicted, "no method of the CPU benchmarks got a prediction"

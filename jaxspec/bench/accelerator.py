@@ -80,8 +80,8 @@ SECTIONS = ("steps", "ar", "tuning", "kernels", "other_models", "large_batches")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What one run measures. kernel_heads: (Hq, Hkv, D) of the kernel sweep and tuning;
-    tuning_shapes: (batch, prefix, nodes); tuning_configs: (block_kv, num_warps, num_stages) of the
-    Triton kernel."""
+    tuning_shapes: (batch, prefix, nodes); tuning_configs: (block_kv, num_warps, num_stages, block_rows)
+    of the Triton kernel (the first H200 run's grid, then larger row blocks for big trees)."""
 
     step_models: tuple[str, ...]
     step_batches: tuple[int, ...]
@@ -93,9 +93,10 @@ class Plan:
     kernel_prefixes: tuple[int, ...]
     kernel_nodes: tuple[int, ...]
     kernel_heads: tuple[int, int, int]
-    tuning_shapes: tuple[tuple[int, int, int], ...] = ((1, 32768, 4), (8, 8192, 16))
-    tuning_configs: tuple[tuple[int, int, int], ...] = tuple(
-        (block_kv, warps, stages) for block_kv in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)
+    tuning_shapes: tuple[tuple[int, int, int], ...] = ((1, 32768, 4), (8, 8192, 16), (8, 8192, 64))
+    tuning_configs: tuple[tuple[int, int, int, int], ...] = (
+        *((block_kv, warps, stages, 64) for block_kv in (32, 64) for warps in (4, 8) for stages in (2, 3, 4)),
+        *((64, warps, stages, rows) for rows in (128, 256) for warps in (4, 8) for stages in (2, 3)),
     )
     sections: tuple[str, ...] = SECTIONS
     dtype: str = "bfloat16"
@@ -114,7 +115,7 @@ FULL_PLAN = Plan(
 SMOKE_PLAN = Plan(
     step_models=("tiny",), step_batches=(1, 2), step_nodes=(1, 4), step_prefix=64, ar_model="tiny",
     ar_new_tokens=8, kernel_batches=(1,), kernel_prefixes=(256,), kernel_nodes=(4,),
-    kernel_heads=(4, 2, 64), tuning_shapes=((1, 256, 4),), tuning_configs=((16, 4, 2), (32, 4, 2)),
+    kernel_heads=(4, 2, 64), tuning_shapes=((1, 256, 4),), tuning_configs=((16, 4, 2, 16), (32, 4, 2, 16)),
     iters=2, kernel_iters=2, budget_s=75.0, smoke=True,
 )  # fmt: skip
 
@@ -259,7 +260,8 @@ def step_times(recorder: Recorder, name: str, graphdef, params, batches: tuple[i
     config = MODEL_SHAPES[name]
     out = {}
     for batch in batches:
-        cost = 5.0 * len(plan.step_nodes) * (1 + config.num_layers / 8)
+        # ~15 s per tree size for Llama-3.1-8B shapes (first H200 run: 107 s for 7 sizes and decode)
+        cost = 3.0 * len(plan.step_nodes) * (1 + config.num_layers / 8)
         result = recorder.run_attention(
             f"step times {name} batch {batch}",
             lambda attention, batch=batch: forward_step_times(
@@ -372,18 +374,20 @@ def _kernel_inputs(plan: Plan, batch: int, prefix: int, nodes: int) -> list[dict
     return [inputs] if plan.smoke else input_copies(inputs, make)
 
 
-def _gpu_kernel(plan: Plan, config: tuple[int, int, int]) -> Callable[..., jax.Array]:
-    """The Triton kernel at one (block_kv, num_warps, num_stages); interpreted on CPU (smoke)."""
-    block_kv, num_warps, num_stages = config
+def _gpu_kernel(plan: Plan, config: tuple[int, ...]) -> Callable[..., jax.Array]:
+    """The Triton kernel at one (block_kv, num_warps, num_stages, block_rows); interpreted on CPU
+    (smoke)."""
+    block_kv, num_warps, num_stages, block_rows = config
     return functools.partial(
         tree_attention_gpu, scale=plan.kernel_heads[2] ** -0.5, block_kv=block_kv, num_warps=num_warps,
-        num_stages=num_stages, interpret=jax.default_backend() == "cpu",
+        num_stages=num_stages, block_rows=block_rows, interpret=jax.default_backend() == "cpu",
     )  # fmt: skip
 
 
 def kernel_tuning(recorder: Recorder) -> dict:
     """Times the Triton kernel at each of plan.tuning_configs on each of plan.tuning_shapes.
-    Returns {"rows": [{shape, config, us}], "best": config with the lowest geometric-mean time}."""
+    Returns {"rows": [{shape, config, us, gbps}], "best": the config with the lowest geometric-mean
+    time over the shapes (among those that ran at every shape), "best_by_shape": {"BxPxN": config}}."""
     plan = recorder.plan
     rows = []
     for batch, prefix, nodes in plan.tuning_shapes:
@@ -405,10 +409,19 @@ def kernel_tuning(recorder: Recorder) -> dict:
         if sum(1 for r in rows if tuple(r["config"]) == c) == len(shapes) and shapes
     ]  # fmt: skip
 
-    def log_mean(config: tuple[int, int, int]) -> float:
+    def log_mean(config: tuple[int, ...]) -> float:
         return statistics.mean(math.log(r["us"]) for r in rows if tuple(r["config"]) == config)
 
-    return {"rows": rows, "best": list(min(complete, key=log_mean)) if complete else None}
+    by_shape: dict[str, dict] = {}
+    for r in rows:
+        key = f"{r['batch']}x{r['prefix']}x{r['nodes']}"
+        if key not in by_shape or r["us"] < by_shape[key]["us"]:
+            by_shape[key] = r
+    return {
+        "rows": rows,
+        "best": list(min(complete, key=log_mean)) if complete else None,
+        "best_by_shape": {key: r["config"] for key, r in by_shape.items()},
+    }
 
 
 def kernel_row(
@@ -627,11 +640,16 @@ def report_markdown(results: dict, command: str) -> str:
         lines += ["", "## Triton kernel launch parameters (tuning grid)", ""]
         lines += [
             f"Hq={q_heads} Hkv={kv_heads} D={head_dim}; µs per call (GB/s of K/V read), timed in one "
-            f"compiled loop; best (lowest geometric mean over the shapes): {tuning['best']}.",
+            f"compiled loop; best (lowest geometric mean over the shapes): {tuning['best']}; best per "
+            f"shape: {tuning.get('best_by_shape')}.",
             "",
         ]
         shapes = sorted({(r["batch"], r["prefix"], r["nodes"]) for r in tuning["rows"]})
-        lines += ["| block_kv, warps, stages | " + " | ".join(f"B{b} P{p} N{n}" for b, p, n in shapes) + " |"]
+        lines += [
+            "| block_kv, warps, stages, block_rows | "
+            + " | ".join(f"B{b} P{p} N{n}" for b, p, n in shapes)
+            + " |"
+        ]
         lines += ["|" + "---|" * (1 + len(shapes))]
         by_config: dict[tuple, dict] = {}
         for r in tuning["rows"]:
