@@ -576,6 +576,12 @@ def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_p
     rank_acc = np.asarray(validated[-1]["val_rank_acc"])
     assert rank_acc.shape == (2, 10) and np.all(rank_acc.sum(1) <= 1 + 1e-6) and rank_acc[:, 1:].sum() > 0
     np.testing.assert_allclose(rank_acc[:, 0], validated[-1]["val_depth_acc"], atol=1e-6)
+    # ... and the joint ranks of its heads, row-major with head 1 first and rank 10 = "10 or worse":
+    # summed over head 1 it is head 2's rank accuracy (the same positions), and it sums to one.
+    joint = np.asarray(validated[-1]["val_path_acc"]).reshape(11, 11)
+    np.testing.assert_allclose(joint.sum(0)[:10], rank_acc[1], atol=1e-6)
+    assert joint.sum() == pytest.approx(1.0, abs=1e-5) and joint[:10, :10].sum() > 0
+    assert not any("path_acc" in e for e in result.metrics)  # the table stays out of training lines
 
 
 def test_label_rank_counts_the_tokens_that_score_above_the_label():
@@ -626,7 +632,10 @@ def test_a_medusa_head_exports_its_rank_accuracies_and_drafts_the_tree_they_cali
                       num_draft_tokens=5)  # fmt: skip
     drafter, _ = registry.make_head_drafter(tiny_model, spec)
     accuracy = np.asarray(calibration["rank_accuracy"])[:, :3]
-    assert drafter.static_tree == static_tree_from_choices(calibrated_tree_choices(accuracy, 5))
+    joint = np.asarray(calibration["joint"])
+    assert joint.shape == (11, 11)
+    np.testing.assert_allclose(joint.ravel(), last["val_path_acc"], atol=1e-6)
+    assert drafter.static_tree == static_tree_from_choices(calibrated_tree_choices(accuracy, 5, joint))
     assert drafter.num_nodes == 6
 
     (work / "head" / CALIBRATION_FILE).write_text('{"rank_accuracy": [[0.5, 2.0]]}')

@@ -285,6 +285,39 @@ def test_calibrated_tree_is_the_best_tree_of_its_size(depth, ranks, seed):
         assert static_tree_from_choices(choices).num_nodes == size + 1
 
 
+@pytest.mark.parametrize("depth,ranks,joint_heads,seed", [(2, 3, 2, 0), (3, 2, 3, 1), (3, 2, 2, 2)])
+def test_calibrated_tree_from_joint_ranks_is_the_best_tree_of_its_size(depth, ranks, joint_heads, seed):
+    """With the heads' joint rank frequencies (heads wrong together), the calibrated tree still has the
+    largest expected accepted length of every tree of its size, now valued by the joint table (up to
+    its depth, independent accuracies below it)."""
+    rng = np.random.default_rng(seed)
+    r = ranks + 1  # the last index: "rank R or worse"
+    joint = rng.dirichlet(np.full(r**joint_heads, 0.3)).reshape((r,) * joint_heads)
+    marginals = [
+        joint.sum(tuple(a for a in range(joint_heads) if a != j))[:ranks] for j in range(joint_heads)
+    ]
+    acc = np.stack(marginals + [rng.uniform(0, 1 / ranks, ranks) for _ in range(depth - joint_heads)])
+    total = sum(ranks**d for d in range(1, depth + 1))
+    for size in range(1, total + 1):
+        choices = calibrated_tree_choices(acc, size, joint)
+        best = max(expected_accepted_drafts(t, acc, joint) for t in all_trees(depth, ranks, size))
+        assert expected_accepted_drafts(choices, acc, joint) == pytest.approx(best, rel=1e-12), size
+
+
+def test_joint_ranks_value_a_path_by_how_often_its_heads_are_right_together():
+    acc = np.array([[0.5, 0.2], [0.3, 0.2]])
+    joint = np.zeros((3, 3))
+    joint[0, 0], joint[0, 2], joint[1, 1], joint[2, 2] = 0.3, 0.2, 0.2, 0.3  # head 2 right only with head 1
+    assert expected_accepted_drafts(((0,), (0, 0)), acc) == pytest.approx(0.5 + 0.15)  # independent
+    assert expected_accepted_drafts(((0,), (0, 0)), acc, joint) == pytest.approx(0.5 + 0.3)
+    assert calibrated_tree_choices(acc, 3, joint) == ((0,), (0, 0), (1,))  # (0, 0) before (1,) now
+    assert calibrated_tree_choices(acc, 3) == ((0,), (1,), (0, 0))
+    with pytest.raises(ValueError, match="joint must be"):
+        calibrated_tree_choices(acc, 2, np.zeros((2, 2)))  # no "or worse" rank
+    with pytest.raises(ValueError, match="sum to <= 1"):
+        calibrated_tree_choices(acc, 2, joint * 2)
+
+
 def test_calibrated_tree_takes_paths_best_first_and_refuses_what_does_not_fit():
     acc = np.array([[0.5, 0.25, 0.1], [0.6, 0.28, 0.0]])
     # values: (0,) .5, (0, 0) .3, (1,) .25, (1, 0) .15, (0, 1) .14, (2,) .1, ...

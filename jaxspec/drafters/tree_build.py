@@ -114,69 +114,126 @@ def load_tree_preset(name: str, path: str | Path = TREE_PRESETS_PATH) -> StaticT
 CALIBRATION_FILE = "tree_calibration.json"
 
 
-def calibrated_tree_choices(rank_accuracy: np.ndarray, num_paths: int) -> tuple[tuple[int, ...], ...]:
-    """The Medusa tree of `num_paths` drafts with the most expected accepted tokens, from how often each
-    head's rank-r token is the right one (Medusa's own recipe for its trees, e.g. mc_sim_7b_63).
+@dataclasses.dataclass(frozen=True)
+class TreeCalibration:
+    """A Medusa head's rank statistics on held-out data (`jaxspec train` writes them at export).
 
     rank_accuracy: [D, R] float, row d = head d (the draft at depth d + 1), column r = the fraction of
-      held-out positions whose right token is that head's rank-r token.
-    A path (r_1, .., r_d) is accepted when every head along it is right, which the recipe takes as
-    independent: its value is prod_j rank_accuracy[j - 1, r_j], and the tree's expected accepted drafts
-    are the sum of its paths' values. A child's value never exceeds its parent's (accuracies <= 1), so
-    adding the best path whose parent is in the tree, `num_paths` times (best first), gives a tree of
-    the largest sum (and parents before children, as `static_tree_from_choices` needs). Ties go to the
-    shorter path, then the lower ranks. Returns the paths in the order they were taken.
+      positions whose right token is that head's rank-r token.
+    joint: [R + 1] * J float or None: the fraction of positions whose first J heads' right tokens sit at
+      ranks (r_1, .., r_J) of those heads, index R standing for "rank R or worse". Heads are wrong
+      together (a hard position defeats them all), so a path's acceptance is read from here rather
+      than taken as the product of its heads' accuracies.
     """
+
+    rank_accuracy: np.ndarray
+    joint: np.ndarray | None = None
+
+
+def _path_values(rank_accuracy: np.ndarray, joint: np.ndarray | None) -> tuple[np.ndarray, Any]:
+    """(acc, value): acc the validated [D, R] table; value(path) the probability that a round
+    accepts every draft of `path`: from `joint` up to its depth (marginalised over the rest), times the
+    independent accuracies of the heads below it."""
     acc = np.asarray(rank_accuracy, np.float64)
     if acc.ndim != 2 or acc.shape[0] < 1 or acc.shape[1] < 1:
         raise ValueError(f"calibrated_tree_choices: rank_accuracy must be [heads, ranks], got {acc.shape}")
     if not np.all((acc >= 0) & (acc <= 1)):
         raise ValueError("calibrated_tree_choices: rank accuracies must lie in [0, 1]")
+    if joint is None:
+        return acc, lambda path: float(np.prod([acc[j, r] for j, r in enumerate(path)]))
+    table = np.asarray(joint, np.float64)
+    joint_heads = table.ndim
+    if joint_heads < 1 or any(n != table.shape[0] for n in table.shape) or table.shape[0] <= acc.shape[1]:
+        raise ValueError(
+            f"calibrated_tree_choices: joint must be [R + 1] * J with R >= {acc.shape[1]} ranks, got "
+            f"{table.shape}"
+        )
+    if not np.all(table >= 0) or table.sum() > 1 + 1e-6:
+        raise ValueError("calibrated_tree_choices: joint rank frequencies must be >= 0 and sum to <= 1")
+
+    def value(path: Sequence[int]) -> float:
+        head = tuple(path[:joint_heads])
+        prefix = float(table[head].sum())
+        return prefix * float(np.prod([acc[j, r] for j, r in enumerate(path) if j >= joint_heads]))
+
+    return acc, value
+
+
+def calibrated_tree_choices(
+    rank_accuracy: np.ndarray, num_paths: int, joint: np.ndarray | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """The Medusa tree of `num_paths` drafts with the most expected accepted tokens (Medusa's own recipe
+    for its trees, e.g. mc_sim_7b_63, with the heads' joint statistics where they are known).
+
+    rank_accuracy, joint: as in `TreeCalibration` (ranks r < R of D heads are the candidate drafts).
+    A path (r_1, .., r_d) is accepted when every head along it is right: its value is the joint
+    frequency of those ranks (without `joint`: prod_j rank_accuracy[j - 1, r_j], Medusa's independence
+    assumption), and the tree's expected accepted drafts are the sum of its paths' values. A child's
+    value never exceeds its parent's (its event is contained in the parent's), so adding the best path
+    whose parent is in the tree, `num_paths` times (best first), gives a tree of the largest sum (and
+    parents before children, as `static_tree_from_choices` needs). Ties go to the shorter path, then
+    the lower ranks. Returns the paths in the order they were taken.
+    """
+    acc, value = _path_values(rank_accuracy, joint)
     depth, ranks = acc.shape
     if not 1 <= num_paths <= sum(ranks**d for d in range(1, depth + 1)):
         raise ValueError(f"calibrated_tree_choices: {num_paths} paths do not fit {depth} heads x top-{ranks}")
-    frontier = [(-acc[0, r], 1, (r,)) for r in range(ranks)]
+    frontier = [(-value((r,)), 1, (r,)) for r in range(ranks)]
     heapq.heapify(frontier)
     chosen: list[tuple[int, ...]] = []
     while len(chosen) < num_paths:
-        negative, length, path = heapq.heappop(frontier)
+        _, length, path = heapq.heappop(frontier)
         chosen.append(path)
         if length < depth:
             for r in range(ranks):
-                heapq.heappush(frontier, (negative * acc[length, r], length + 1, path + (r,)))
+                child = path + (r,)
+                heapq.heappush(frontier, (-value(child), length + 1, child))
     return tuple(chosen)
 
 
-def expected_accepted_drafts(choices: Sequence[Sequence[int]], rank_accuracy: np.ndarray) -> float:
-    """Sum over paths of prod_j rank_accuracy[j - 1, r_j]: the drafts a round accepts on average under
-    `calibrated_tree_choices`' independence assumption (τ = 1 + this)."""
-    acc = np.asarray(rank_accuracy, np.float64)
-    return float(sum(np.prod([acc[j, r] for j, r in enumerate(path)]) for path in choices))
+def expected_accepted_drafts(
+    choices: Sequence[Sequence[int]], rank_accuracy: np.ndarray, joint: np.ndarray | None = None
+) -> float:
+    """Sum over paths of their values (`calibrated_tree_choices`): the drafts a round accepts on
+    average (τ = 1 + this)."""
+    _, value = _path_values(rank_accuracy, joint)
+    return float(sum(value(path) for path in choices))
 
 
-def save_tree_calibration(directory: str | Path, rank_accuracy: np.ndarray, **info: Any) -> Path:
-    """Write a head's rank accuracies ([D, R], `calibrated_tree_choices`) to directory/CALIBRATION_FILE,
-    with `info` (where they were measured) beside them."""
-    acc = np.asarray(rank_accuracy, np.float64)
+def save_tree_calibration(
+    directory: str | Path, rank_accuracy: np.ndarray, joint: np.ndarray | None = None, **info: Any
+) -> Path:
+    """Write a head's rank statistics (`TreeCalibration`) to directory/CALIBRATION_FILE, with `info`
+    (where they were measured) beside them."""
+    record: dict[str, Any] = {"rank_accuracy": np.asarray(rank_accuracy, np.float64).round(6).tolist()}
+    if joint is not None:
+        record["joint"] = np.asarray(joint, np.float64).round(7).tolist()
     path = Path(directory) / CALIBRATION_FILE
-    path.write_text(json.dumps({"rank_accuracy": acc.round(6).tolist(), **info}, indent=1) + "\n")
+    path.write_text(json.dumps({**record, **info}, indent=1) + "\n")
     return path
 
 
-def load_tree_calibration(directory: str | Path) -> np.ndarray | None:
-    """A head directory's rank accuracies [D, R] (None when it has no CALIBRATION_FILE).
+def load_tree_calibration(directory: str | Path) -> TreeCalibration | None:
+    """A head directory's rank statistics (None when it has no CALIBRATION_FILE).
 
-    Raises ValueError naming the file when it is not a [heads, ranks] table of numbers in [0, 1]."""
+    Raises ValueError naming the file when rank_accuracy is not a [heads, ranks] table of numbers in
+    [0, 1], or joint is not a [R + 1] * J table of frequencies."""
     path = Path(directory) / CALIBRATION_FILE
     if not path.is_file():
         return None
     try:
-        acc = np.asarray(json.loads(path.read_text())["rank_accuracy"], np.float64)
+        record = json.loads(path.read_text())
+        acc = np.asarray(record["rank_accuracy"], np.float64)
+        joint = np.asarray(record["joint"], np.float64) if "joint" in record else None
     except (ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path}: not a tree calibration ({error})") from None
     if acc.ndim != 2 or acc.size == 0 or not np.all((acc >= 0) & (acc <= 1)):
         raise ValueError(f"{path}: rank_accuracy must be a [heads, ranks] table of numbers in [0, 1]")
-    return acc
+    try:
+        _path_values(acc, joint)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    return TreeCalibration(acc, joint)
 
 
 @functools.partial(jax.jit, static_argnames=("static",))

@@ -50,6 +50,8 @@ EAGLE_PROB_WEIGHT = 0.1
 EAGLE3_STEP_DECAY = 0.8
 # Ranks a Medusa head's rank accuracies cover (`rank_acc`; a calibrated tree uses top-k <= this).
 MEDUSA_CALIBRATION_RANKS = 10
+# ... and the joint ranks of its first heads (`path_acc`, [R + 1] ** J; heads are wrong together).
+MEDUSA_JOINT_HEADS = 3
 
 
 def label_mask(batch: dict[str, jax.Array], offset: int, n: int) -> jax.Array:
@@ -194,18 +196,29 @@ class Objective:
         n = hidden.shape[1]
         idx, weight = sample_positions(key, label_mask(batch, 2, n), self.num_positions)
         logits = medusa_logits(self.head_graphdef, params, take(hidden, idx), target_lm)  # [B, P, K, V]
-        losses, accs, rank_accs = [], [], []
+        losses, accs, rank_accs, clipped_ranks = [], [], [], []
+        r = MEDUSA_CALIBRATION_RANKS
         for j in range(self.depth):
             labels = take(shifted(tokens, 2 + j, n), idx)
             w = weight * take(label_mask(batch, 2 + j, n), idx)
             ce, correct = self._mixed_ce(logits[:, :, j], labels, hidden, idx, 2 + j, target_lm)
             losses.append(masked_mean(ce, w))
             accs.append(masked_mean(correct, w))
-            ranks = jax.nn.one_hot(label_rank(logits[:, :, j], labels), MEDUSA_CALIBRATION_RANKS)
-            rank_accs.append((ranks * w[..., None]).sum((0, 1)) / jnp.maximum(w.sum(), 1.0))
+            rank = label_rank(logits[:, :, j], labels)
+            rank_accs.append((jax.nn.one_hot(rank, r) * w[..., None]).sum((0, 1)) / jnp.maximum(w.sum(), 1.0))
+            clipped_ranks.append((jnp.minimum(rank, r), w))
         depth_loss = jnp.stack(losses)
-        # rank_acc [K, R]: head j's rank-r token is the label (a calibrated Medusa tree's input).
-        metrics = {"depth_loss": depth_loss, "depth_acc": jnp.stack(accs), "rank_acc": jnp.stack(rank_accs)}
+        # rank_acc [K, R]: head j's rank-r token is the label; path_acc [(R + 1) ** J]: the first J heads'
+        # labels sit at ranks (r_1, .., r_J), R = "R or worse", over positions where all J have a label
+        # (row-major; the inputs of a calibrated Medusa tree).
+        joint_heads = min(self.depth, MEDUSA_JOINT_HEADS)
+        joint_index = sum(clipped_ranks[j][0] * (r + 1) ** (joint_heads - 1 - j) for j in range(joint_heads))
+        w = clipped_ranks[joint_heads - 1][1]
+        joint = jax.nn.one_hot(joint_index, (r + 1) ** joint_heads) * w[..., None]
+        metrics = {
+            "depth_loss": depth_loss, "depth_acc": jnp.stack(accs), "rank_acc": jnp.stack(rank_accs),
+            "path_acc": joint.sum((0, 1)) / jnp.maximum(w.sum(), 1.0),
+        }  # fmt: skip
         return depth_loss.sum(), metrics
 
     def _eagle(self, params, batch, key, target_lm, target_embed):

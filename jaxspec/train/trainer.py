@@ -31,6 +31,8 @@ from jaxspec.train.losses import Objective
 
 PURPOSE_STEP = 1
 PURPOSE_EVAL = 2
+# Metrics too large for every log line (Medusa's joint rank table): kept for validation entries only.
+VALIDATION_ONLY_METRICS = ("path_acc",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,8 +383,9 @@ def train(
             acc = np.mean([r["depth_acc"] for r in runs], axis=0).tolist()
             loss = float(np.mean([r["loss"] for r in runs]))
             out = {"val_loss": loss, "val_depth_acc": acc, "val_tau_proxy": tau_proxy(acc)}
-            if "rank_acc" in runs[0]:  # Medusa: the rank accuracies a calibrated tree is built from
+            if "rank_acc" in runs[0]:  # Medusa: the rank statistics a calibrated tree is built from
                 out["val_rank_acc"] = np.mean([r["rank_acc"] for r in runs], axis=0).tolist()
+                out["val_path_acc"] = np.mean([r["path_acc"] for r in runs], axis=0).tolist()
             return out
 
     end = max(start, min(config.steps, stop_after if stop_after is not None else config.steps))
@@ -412,7 +415,8 @@ def train(
                 counter["tokens"] += tokens
         validate = evaluate is not None and (done % config.eval_every == 0 or done == end)
         if done % config.log_every == 0 or done == end or validate:
-            entry = {"step": done, **_to_host(metrics), "time_s": time.perf_counter() - began}
+            logged = {k: v for k, v in _to_host(metrics).items() if k not in VALIDATION_ONLY_METRICS}
+            entry = {"step": done, **logged, "time_s": time.perf_counter() - began}
             if interval["steps"]:
                 now = time.perf_counter()
                 entry.update(

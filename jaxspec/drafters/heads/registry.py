@@ -28,7 +28,6 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
 from jaxspec.config import SpecConfig
@@ -51,6 +50,7 @@ from jaxspec.drafters.heads.shipped import RANDOM_HEAD, resolve_head, resolve_to
 from jaxspec.drafters.tree_build import (
     CALIBRATION_FILE,
     StaticTree,
+    TreeCalibration,
     calibrated_tree_choices,
     candidate_pool_size,
     load_tree_calibration,
@@ -65,10 +65,10 @@ def _extra(spec: SpecConfig) -> dict[str, Any]:
     return dict(spec.extra)
 
 
-def medusa_tree(spec: SpecConfig, calibration: np.ndarray | None = None) -> StaticTree | None:
+def medusa_tree(spec: SpecConfig, calibration: TreeCalibration | None = None) -> StaticTree | None:
     """The static tree of a Medusa spec, or None for a chain.
 
-    calibration: the head's rank accuracies [heads, ranks] (`load_tree_calibration`), or None. With
+    calibration: the head's rank statistics (`load_tree_calibration`), or None. With
     neither tree_choices nor a preset, topk > 1 drafts the calibrated tree (`calibrated_tree_choices`)
     of num_draft_tokens paths (default topk * depth) over ranks < topk and depths <= min(depth, heads).
     """
@@ -86,10 +86,10 @@ def medusa_tree(spec: SpecConfig, calibration: np.ndarray | None = None) -> Stat
                 f"{CALIBRATION_FILE} (written by `jaxspec train`); this head has none and topk > 1 alone "
                 "is not a tree"
             )
-        acc = calibration[: spec.num_speculative_tokens, : spec.topk]
+        acc = calibration.rank_accuracy[: spec.num_speculative_tokens, : spec.topk]
         size = spec.num_draft_tokens or spec.topk * spec.num_speculative_tokens
         try:
-            return static_tree_from_choices(calibrated_tree_choices(acc, size))
+            return static_tree_from_choices(calibrated_tree_choices(acc, size, calibration.joint))
         except ValueError as error:
             raise InputError(f"SpecConfig.num_draft_tokens={size}: {error}") from None
     return None
