@@ -434,31 +434,26 @@ def kernel_row(
     reference = functools.partial(tree_attention, scale=scale, impl="reference")
     dpa = functools.partial(_dpa, scale=scale)
     iters = plan.kernel_iters
+    expected = jax.jit(reference)(**inputs).astype(jnp.float32)
+    nbytes = kv_bytes(inputs)
+
+    def measure(fn: Callable[..., jax.Array]) -> tuple[float, float, float | None, float]:
+        """(µs per call, GB/s of K/V read, share of peak, max |error| against the reference)."""
+        us = loop_seconds(fn, copies, iters) * 1e6
+        gbps = nbytes / (us * 1e-6) / 1e9
+        error = float(jnp.max(jnp.abs(jax.jit(fn)(**inputs).astype(jnp.float32) - expected)))
+        return us, gbps, gbps / peak_gbps if peak_gbps else None, error
+
     row: dict[str, Any] = {"batch": batch, "prefix": prefix, "nodes": nodes, "copies": len(copies)}
-    row["kernel_us"] = loop_seconds(kernel, copies, iters) * 1e6
+    row["kernel_us"], row["kernel_gbps"], row["of_peak"], row["max_abs_err"] = measure(kernel)
     row["reference_us"] = loop_seconds(reference, copies, iters) * 1e6
     row["dot_product_attention_us"] = loop_seconds(dpa, copies, iters) * 1e6
-    error = jnp.max(
-        jnp.abs(
-            jax.jit(kernel)(**inputs).astype(jnp.float32) - jax.jit(reference)(**inputs).astype(jnp.float32)
-        )
-    )
-    row["max_abs_err"] = float(error)
-    row["kernel_gbps"] = kv_bytes(inputs) / (row["kernel_us"] * 1e-6) / 1e9
-    row["of_peak"] = row["kernel_gbps"] / peak_gbps if peak_gbps else None
     row["tuned_config"] = tuned
     if tuned is not None:
         tuned_kernel = _gpu_kernel(plan, tuple(tuned))
-        row["tuned_us"] = loop_seconds(tuned_kernel, copies, iters) * 1e6
-        row["tuned_gbps"] = kv_bytes(inputs) / (row["tuned_us"] * 1e-6) / 1e9
-        row["tuned_of_peak"] = row["tuned_gbps"] / peak_gbps if peak_gbps else None
-        tuned_error = jnp.max(
-            jnp.abs(
-                jax.jit(tuned_kernel)(**inputs).astype(jnp.float32)
-                - jax.jit(reference)(**inputs).astype(jnp.float32)
-            )
+        row["tuned_us"], row["tuned_gbps"], row["tuned_of_peak"], row["tuned_max_abs_err"] = measure(
+            tuned_kernel
         )
-        row["tuned_max_abs_err"] = float(tuned_error)
     return row
 
 

@@ -492,11 +492,8 @@ def run(args: argparse.Namespace) -> int:
                 size = args.batch_size
                 evaluated = min(args.eval_batches, validation.num_sequences // size) * size
                 last = calibrated[-1]
-                ranks = np.asarray(last["val_rank_acc"]).shape[1]
-                joint = np.asarray(last["val_path_acc"])
-                joint_heads = round(np.log(joint.size) / np.log(ranks + 1))
                 save_tree_calibration(
-                    output, np.asarray(last["val_rank_acc"]), joint.reshape((ranks + 1,) * joint_heads),
+                    output, np.asarray(last["val_rank_acc"]), np.asarray(last["val_path_acc"]),
                     step=last["step"],
                     measured_on=f"{evaluated} of {validation.num_sequences} held-out sequences of "
                     f"{args.dataset or args.workdir}, {_num_positions(args)} positions each",

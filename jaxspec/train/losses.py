@@ -208,16 +208,16 @@ class Objective:
             rank_accs.append((jax.nn.one_hot(rank, r) * w[..., None]).sum((0, 1)) / jnp.maximum(w.sum(), 1.0))
             clipped_ranks.append((jnp.minimum(rank, r), w))
         depth_loss = jnp.stack(losses)
-        # rank_acc [K, R]: head j's rank-r token is the label; path_acc [(R + 1) ** J]: the first J heads'
+        # rank_acc [K, R]: head j's rank-r token is the label; path_acc [R + 1] * J: the first J heads'
         # labels sit at ranks (r_1, .., r_J), R = "R or worse", over positions where all J have a label
-        # (row-major; the inputs of a calibrated Medusa tree).
+        # (the inputs of a calibrated Medusa tree, `TreeCalibration`).
         joint_heads = min(self.depth, MEDUSA_JOINT_HEADS)
         joint_index = sum(clipped_ranks[j][0] * (r + 1) ** (joint_heads - 1 - j) for j in range(joint_heads))
         w = clipped_ranks[joint_heads - 1][1]
         joint = jax.nn.one_hot(joint_index, (r + 1) ** joint_heads) * w[..., None]
         metrics = {
             "depth_loss": depth_loss, "depth_acc": jnp.stack(accs), "rank_acc": jnp.stack(rank_accs),
-            "path_acc": joint.sum((0, 1)) / jnp.maximum(w.sum(), 1.0),
+            "path_acc": (joint.sum((0, 1)) / jnp.maximum(w.sum(), 1.0)).reshape((r + 1,) * joint_heads),
         }  # fmt: skip
         return depth_loss.sum(), metrics
 
