@@ -17,18 +17,21 @@ the autoregressive program: its column repeats the autoregressive number.
 fastest shape per batch size as a policy table (off where nothing beats autoregressive by --margin):
 the measurements behind `jaxspec.drafters.policy.default_policy("cpu")`. Prints Markdown tables.
 
---continuous: offline throughput on a mixed workload, side by side in one run. --requests requests
-cycle through the dev prompts with max_new_tokens drawn from --mixed-budgets (fixed seed); greedy,
+--continuous: offline throughput on a mixed workload, side by side in one run. --requests requests cycle
+through the dev prompts with max_new_tokens drawn from --mixed-budgets (fixed seed); greedy,
 autoregressive. For each --slots count: jaxspec static batches (`jaxspec.generate` on batches of that
 size, sorted by length bucket as the batch job plans them), jaxspec continuous batching
-(`jaxspec.decoding.continuous.generate_continuous`, whole prompts prefilled), the same with the prompts'
-shared prefix, the chat template's system turn, prefilled once (`share_prefix=True`) and, with
---peer, Hugging Face transformers batched `generate` (left padding, same batch size, float32, each
-batch run to its largest budget, tokens past a request's own budget or EOS not counted). Reports total
-tokens/s, total time, time to the first finished request and peak RSS; compilation is excluded (every
-program is compiled first). Last, the workload's compute bound (`jaxspec.bench.compute_bound`): its
-matrix-product FLOPs (real prompt tokens, no padding, attention free) at the rate one large dense product
-reaches on this machine, and each engine's share of it.
+(`jaxspec.decoding.continuous.generate_continuous`, its defaults: the prompts that recur in the workload,
+here every dev prompt, prefilled once and copied at admits), the same with the prompt cache off
+(`prompt_cache=False`: every request's prompt prefilled at its admit), with --shared-prefix also the
+prompts' shared prefix, the chat template's system turn, prefilled once (`share_prefix=True`, no prompt
+cache) and, with --peer, Hugging Face transformers batched `generate` (left padding, same batch size,
+float32, each batch run to its largest budget, tokens past a request's own budget or EOS not counted).
+Reports total tokens/s, total time, time to the first finished request and peak RSS; compilation is
+excluded (every program is compiled first). Last, the workload's compute bound
+(`jaxspec.bench.compute_bound`): its matrix-product FLOPs (real prompt tokens, no padding, attention
+free; every request's prompt counted, so an engine that prefills a recurring prompt once can pass it) at
+the rate one large dense product reaches on this machine, and each engine's share of it.
 """
 
 from __future__ import annotations
@@ -225,14 +228,15 @@ def run_static(model, prompts, budgets, batch_size):
     return tokens, time.perf_counter() - start, first, {}
 
 
-def run_continuous_batching(model, prompts, budgets, slots, share_prefix=False):
+def run_continuous_batching(model, prompts, budgets, slots, share_prefix=False, prompt_cache=True):
     from jaxspec.decoding.continuous import compile_continuous, generate_continuous
 
-    compile_continuous(model, prompts, budgets, slots=slots, share_prefix=share_prefix)
+    options = dict(share_prefix=share_prefix, prompt_cache=prompt_cache)
+    compile_continuous(model, prompts, budgets, slots=slots, **options)
     first = []
     start = time.perf_counter()
     out = generate_continuous(
-        model, prompts, max_new_tokens=budgets, slots=slots, share_prefix=share_prefix,
+        model, prompts, max_new_tokens=budgets, slots=slots, **options,
         on_finished=lambda batch: first.append(time.perf_counter() - start) if not first else None,
     )  # fmt: skip
     seconds = time.perf_counter() - start
@@ -287,14 +291,15 @@ def continuous(args, model, prompts) -> list[dict]:
     )
     rows, results = [], []
     for slots in args.slots:
+        uncached = functools.partial(run_continuous_batching, prompt_cache=False)
         engines = [
             ("jaxspec static batches", run_static),
             ("jaxspec continuous", run_continuous_batching),
-            (
-                "jaxspec continuous, shared prefix",
-                functools.partial(run_continuous_batching, share_prefix=True),
-            ),
+            ("jaxspec continuous, no prompt cache", uncached),
         ]
+        if args.shared_prefix:
+            shared = functools.partial(run_continuous_batching, share_prefix=True, prompt_cache=False)
+            engines.append(("jaxspec continuous, shared prefix, no prompt cache", shared))
         measured = {}
         if peer is not None:
             engines.append(("transformers batched", lambda _model, *rest: run_hf(peer, *rest)))
@@ -361,6 +366,11 @@ def main() -> None:
     p.add_argument("--margin", type=float, default=0.05, help="calibrate: required speedup over 1.0")
     p.add_argument("--continuous", action="store_true", help="static vs continuous vs transformers")
     p.add_argument("--requests", type=int, default=256, help="--continuous: number of requests")
+    p.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="--continuous: also continuous batching with the system turn prefilled once, no prompt cache",
+    )
     p.add_argument("--mixed-budgets", type=int_list, default=[16, 32, 64, 128])
     p.add_argument("--slots", type=int_list, default=[16, 64], help="--continuous: slots = batch sizes")
     p.add_argument("--peer", action="store_true", help="--continuous: also transformers batched generate")

@@ -17,6 +17,7 @@ from jaxspec.decoding.continuous import (
     init_state,
     prefill_widths,
     prepare_continuous,
+    recurring_prompts,
     run_continuous,
     shared_prefix_length,
 )
@@ -164,6 +165,54 @@ def test_admits_after_a_shared_prefix_equal_each_request_alone(tiny):
     unshared_ran = {key: max(c.stats[f"batch_{key}"] for c in unshared) for key in ran}
     assert ran["prefill_positions"] < unshared_ran["prefill_positions"]
     assert ran["decode_steps"] == unshared_ran["decode_steps"]
+
+
+# Each of five prompts asked three times (different budgets, greedy and sampled rows, their own seeds
+# and request ids), among five prompts asked once: 20 requests, 5 prompts recur.
+REPEATED = [PROMPTS[i % 5] for i in range(15)] + PROMPTS[5:]
+REPEATED_BUDGETS = [BUDGETS[i % 5] + 7 * (i // 5) for i in range(15)] + BUDGETS[5:]
+
+
+def test_recurring_prompts_are_the_ones_asked_twice_most_frequent_first():
+    index = recurring_prompts([[1], [2], [1], [3], [2], [1], [4]], max_rows=8)
+    assert index == [0, 1, 0, -1, 1, 0, -1]  # [1] three times, [2] twice; [3] and [4] once
+    assert recurring_prompts([[1], [2], [1], [3], [2], [1]], max_rows=1) == [0, -1, 0, -1, -1, 0]
+    assert recurring_prompts([[1], [2], [3]], max_rows=8) == [-1, -1, -1]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_repeated_prompts_are_prefilled_once_and_each_request_gets_its_tokens_alone(tiny, sampled):
+    """20 requests, 15 of them on 5 recurring prompts, through 3 refilled slots: with the prompt cache
+    (the default) the recurring prompts are prefilled once and admits of cached requests only copy
+    their rows and draw their own first token; each request still gets exactly the tokens it gets
+    alone (greedy; sampled at temperature 0.9 / top-k 5 on every other row, its own seed and id),
+    and the same as with the cache off, in fewer prefilled prompt positions."""
+    n = len(REPEATED)
+    sampling = [
+        SamplingParams(temperature=0.9, top_k=5) if sampled and i % 2 else SamplingParams() for i in range(n)
+    ]
+    kwargs = dict(
+        max_new_tokens=REPEATED_BUDGETS, sampling=sampling, seed=list(range(60, 60 + n)),
+        request_ids=list(range(700, 700 + n)),
+    )  # fmt: skip
+    cached = generate_continuous(tiny, REPEATED, slots=3, admit_rows=2, steps_per_call=6, **kwargs)
+    uncached = generate_continuous(tiny, REPEATED, slots=3, admit_rows=2, prompt_cache=False, **kwargs)
+    for i, prompt in enumerate(REPEATED):
+        (a,) = jaxspec.generate(
+            tiny, [prompt], max_new_tokens=REPEATED_BUDGETS[i], sampling=sampling[i], seed=60 + i,
+            request_ids=[700 + i],
+        )  # fmt: skip
+        assert cached[i].token_ids == a.token_ids, f"request {i}"
+        assert cached[i].finish_reason == a.finish_reason
+        assert uncached[i].token_ids == a.token_ids, f"request {i}, prompt cache off"
+    if sampled:  # it really sampled, and the same prompt drew different tokens for different requests
+        assert [c.token_ids for c in cached] != [c.token_ids for c in generate_continuous(tiny, REPEATED, 60)]
+        assert cached[1].token_ids[:8] != cached[11].token_ids[:8]
+    positions = {
+        name: max(c.stats["batch_prefill_positions"] for c in run)
+        for name, run in (("cached", cached), ("uncached", uncached))
+    }
+    assert positions["cached"] < positions["uncached"] / 2  # 2 of 3 requests per prompt copied it
 
 
 def test_bad_continuous_input_names_the_problem(tiny):
@@ -408,3 +457,18 @@ def test_every_speculative_method_runs_in_continuous_batching():
 
     tested = {spec.method for spec in DRAFTERS.values()} | {NGRAM.method}
     assert tested == set(SPEC_METHODS)
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3-chain", "eagle-tree", "mtp-chain"])
+def test_drafters_from_cached_prompts_equal_each_request_alone(confident, name):
+    """Speculating with every prompt asked twice: an admit from the prompt cache hands the drafter the
+    cached prompt's hidden states, captured layers and tokens; each request gets the tokens, rounds and
+    acceptance of one static batch (each row = the request alone), greedy and sampled."""
+    spec = NGRAM if name == "ngram" else DRAFTERS[name]
+    prompts, budgets = SPEC_PROMPTS * 2, SPEC_BUDGETS + [b + 3 for b in SPEC_BUDGETS]
+    for sampled in (False, True):
+        extra = dict(sampling=HOT, seed=SPEC_SEEDS * 2, request_ids=SPEC_IDS + [i + 50 for i in SPEC_IDS])
+        kwargs = dict(max_new_tokens=budgets, spec=spec, **(extra if sampled else {}))
+        reference = jaxspec.generate(confident, prompts, **kwargs)
+        together = generate_continuous(confident, prompts, slots=3, admit_rows=2, steps_per_call=5, **kwargs)
+        assert_same_as_alone(together, reference, f"{name} {'sampled' if sampled else 'greedy'}")

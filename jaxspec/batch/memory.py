@@ -10,7 +10,8 @@ at the cache length the decoding loop picks (`jaxspec.decoding.generate.cache_le
 shape the job's policy picks at that size):
 
 - continuous: `batch_size` slots, each with a cache sized for the longest prompt and the largest
-  max_new_tokens of the input;
+  max_new_tokens of the input, and the prompt cache of the input's recurring prompts (at most the
+  slots' KV cache, `jaxspec.decoding.continuous.prompt_cache_budget`);
 - static: the largest of the planned batches' (`plan_batches`), each padded to a power of two rows and
   sized for its own requests.
 
@@ -26,6 +27,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import jax
 
 from jaxspec.batch.requests import TokenizedRequest
 from jaxspec.batch.schedule import plan_batches
@@ -51,20 +54,24 @@ class MemoryBudget:
 @dataclasses.dataclass(frozen=True)
 class MemoryNeed:
     """One compiled batch's memory: `rows` rows (static: padded to a power of two) of `positions`
-    cache positions; total (`decode_memory_bytes`) and weights in bytes."""
+    cache positions; total (`decode_memory_bytes`, plus the prompt cache) and weights in bytes;
+    prompt_cache: bytes of the continuous loop's recurring prompts
+    (`jaxspec.decoding.continuous.prompt_cache_plan`)."""
 
     rows: int
     positions: int
     total: int
     weights: int
+    prompt_cache: int = 0
 
     def describe(self) -> str:
         """'493,832 bytes (482.3 KiB) for 2 rows x 33 cache positions (weights 449.2 KiB + KV cache
         33.0 KiB)'."""
         rows = f"{self.rows} {'row' if self.rows == 1 else 'rows'} x {self.positions} cache positions"
-        parts = (
-            f"weights {readable_bytes(self.weights)} + KV cache {readable_bytes(self.total - self.weights)}"
-        )
+        kv = self.total - self.weights - self.prompt_cache
+        parts = f"weights {readable_bytes(self.weights)} + KV cache {readable_bytes(kv)}"
+        if self.prompt_cache:
+            parts += f" + prompt cache {readable_bytes(self.prompt_cache)}"
         return f"{format_bytes(self.total)} for {rows} ({parts})"
 
 
@@ -120,7 +127,13 @@ def job_need(
 ) -> MemoryNeed:
     """The most memory the job holds at once with `batch_size` (module docstring). items: non-empty."""
     if continuous:
-        return batch_need(model, items, batch_size, pick_spec(batch_size))
+        from jaxspec.decoding.continuous import prompt_cache_plan
+
+        need = batch_need(model, items, batch_size, pick_spec(batch_size))
+        prompts = [item.prompt_ids for item in items]
+        dtype = jax.tree.leaves(model.params)[0].dtype
+        _, cached = prompt_cache_plan(model.config, prompts, batch_size, need.positions, dtype)
+        return dataclasses.replace(need, total=need.total + cached, prompt_cache=cached)
     needs = []
     for batch in plan_batches(items, batch_size):
         rows = batch_bucket(len(batch))

@@ -35,10 +35,19 @@ prompt. A request's tokens are the same either way (`tests/test_continuous.py`).
 on this CPU it ran fewer prompt positions (-11% at 64 slots, -19% at 16 on the dev workload) but no
 faster (README, "Continuous batching"; an admit after the prefix was slower than a whole-prompt admit
 of the same width).
+
+With prompt_cache=True (the default), a prompt that recurs in the run (several samples of one prompt,
+the same question at several budgets) is prefilled once before the loop (`PromptCache`, the repeated
+prompts' keys/values, hidden states and captured layers, up to PROMPT_CACHE_BYTES): an admit whose
+requests all hold cached prompts copies their rows instead of running the target, and draws each
+request's first token with its own key from the cached final hidden state, as vLLM's automatic prefix
+caching serves a repeated prompt. A request's tokens are the same either way (`tests/test_continuous.py`).
+The bank puts the cached requests of each budget first, so admit groups are cached or not as a whole.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -63,8 +72,10 @@ from jaxspec.decoding.generate import (
 )
 from jaxspec.decoding.output_buffer import OutputBuffer, append_tokens, first_output
 from jaxspec.decoding.prefill import (
+    PrefillResult,
     Requests,
     SharedPrefix,
+    first_tokens,
     longest_shared_prefix,
     prefill,
     prefill_shared_prefix,
@@ -76,7 +87,7 @@ from jaxspec.errors import InputError
 from jaxspec.model.buckets import length_bucket
 from jaxspec.model.config import ModelConfig
 from jaxspec.model.forward import lm_logits, model_forward
-from jaxspec.model.kv_cache import HeadCache, KVCache
+from jaxspec.model.kv_cache import HeadCache, KVCache, kv_cache_bytes
 from jaxspec.model.live_attention import live_attention_for
 from jaxspec.model.target import Model
 
@@ -224,6 +235,104 @@ def admit_width(prompt_length: int, prompt_len: int) -> int:
     return next(w for w in prefill_widths(prompt_len) if w >= prompt_length)
 
 
+PROMPT_CACHE_BYTES = 1 << 30  # at most this much memory holds recurring prompts' prefills,
+PROMPT_CACHE_FRACTION = 1.0  # and at most this share of the slots' own KV cache
+PROMPT_CACHE_CAPTURES = 4  # hidden states [P, d] a cached row is budgeted for: final + EAGLE-3's 3 layers
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PromptCache:
+    """The prompts that recur in a run's bank, prefilled once before the loop.
+
+    prefill: their `PrefillResult` rows [U, ...]: cache of max_len = the bank's prompt width P (lengths
+    = prompt lengths), hidden and captured [U, P, d]; its first_token is not used (each request draws
+    its own). index [N]: each bank request's row in it, -1 where the prompt is prefilled at its admit.
+    """
+
+    prefill: PrefillResult
+    index: jax.Array
+
+
+def prompt_cache_budget(config: ModelConfig, slots: int, max_len: int, dtype) -> int:
+    """Bytes the prompt cache may hold beside `slots` slots of max_len positions: PROMPT_CACHE_BYTES, at
+    most PROMPT_CACHE_FRACTION of the slots' KV cache (what the batch job's memory check adds)."""
+    return min(PROMPT_CACHE_BYTES, int(PROMPT_CACHE_FRACTION * kv_cache_bytes(config, slots, max_len, dtype)))
+
+
+def prompt_cache_row_bytes(config: ModelConfig, prompt_len: int, dtype) -> int:
+    """Bytes of one prompt cache row of width prompt_len: the keys/values of prompt_len positions
+    (`kv_cache_bytes`) and PROMPT_CACHE_CAPTURES hidden states [prompt_len, d]."""
+    hidden = PROMPT_CACHE_CAPTURES * prompt_len * config.hidden_size * jnp.dtype(dtype).itemsize
+    return kv_cache_bytes(config, 1, prompt_len, dtype) + hidden
+
+
+def prompt_cache_plan(
+    config: ModelConfig, token_lists: Sequence[Sequence[int]], slots: int, max_len: int, dtype
+) -> tuple[list[int], int]:
+    """(each request's prompt cache row or -1 (`recurring_prompts`), the cache's bytes) for a run of
+    these prompts (bank order) through `slots` slots of max_len positions, within `prompt_cache_budget`."""
+    prompt_len = length_bucket(max(len(t) for t in token_lists))
+    row_bytes = prompt_cache_row_bytes(config, prompt_len, dtype)
+    index = recurring_prompts(token_lists, prompt_cache_budget(config, slots, max_len, dtype) // row_bytes)
+    return index, (max(index, default=-1) + 1) * row_bytes
+
+
+def recurring_prompts(token_lists: Sequence[Sequence[int]], max_rows: int) -> list[int]:
+    """Each request's row in a prompt cache of the prompts that occur at least twice (the most frequent
+    first, at most max_rows of them), -1 for a prompt left out."""
+    counts = collections.Counter(tuple(t) for t in token_lists)
+    recurring = [prompt for prompt, count in counts.most_common() if count >= 2][: max(max_rows, 0)]
+    row = {prompt: r for r, prompt in enumerate(recurring)}
+    return [row.get(tuple(t), -1) for t in token_lists]
+
+
+def build_prompt_cache(
+    model: Model, bank: Requests, index: Sequence[int], *, attention: str, capture_layers: tuple[int, ...]
+) -> PromptCache | None:
+    """Prefill every cached prompt once (`recurring_prompts` rows of the bank, [N] index); None when no
+    prompt recurs. Each cached row is prefilled from the first bank request that holds its prompt."""
+    rows = max(index, default=-1) + 1
+    if rows == 0:
+        return None
+    first = [index.index(r) for r in range(rows)]
+    requests = jax.tree.map(lambda x: x[jnp.asarray(first, jnp.int32)], bank)
+    pre = _jit_prefill(
+        model.graphdef, model.params, model.config, requests, bank.prompt_tokens.shape[1],
+        attention=attention, capture_layers=capture_layers,
+    )  # fmt: skip
+    return PromptCache(prefill=pre, index=jnp.asarray(index, jnp.int32))
+
+
+_jit_prefill = jax.jit(
+    prefill, static_argnames=("graphdef", "config", "max_len", "attention", "capture_layers")
+)
+
+
+def _from_prompt_cache(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: PromptCache,
+    admitted: Requests,
+    rows: jax.Array,
+    max_len: int,
+) -> PrefillResult:
+    """What `prefill` gives the admitted requests ([R]; rows [R]: their prompt cache rows), read from the
+    prompt cache: keys/values widened to max_len positions, each request's own first token."""
+    stored = jax.tree.map(lambda x: x[rows], cache.prefill)
+
+    def widen(buffer: jax.Array) -> jax.Array:  # [R, H, P, D] -> [R, H, max_len, D]
+        return jnp.pad(buffer, ((0, 0), (0, 0), (0, max_len - buffer.shape[2]), (0, 0)))
+
+    kv = KVCache(
+        keys=tuple(widen(k) for k in stored.cache.keys),
+        values=tuple(widen(v) for v in stored.cache.values),
+        lengths=admitted.prompt_lengths.astype(jnp.int32),
+    )
+    first = first_tokens(graphdef, params, stored.hidden, admitted)
+    return PrefillResult(cache=kv, first_token=first, hidden=stored.hidden, captured=stored.captured)
+
+
 def _retire(state: ContinuousState) -> ContinuousState:
     """Copy finished slots' output rows into the result bank and free those slots."""
     n = state.results.tokens.shape[0]
@@ -263,6 +372,7 @@ def run_continuous(
     spec: SpecConfig | None = None,
     draft_params: Any = (),
     prefix: SharedPrefix | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> ContinuousState:
     """Run the continuous-batching loop until every request is finished or `max_iterations` more
     iterations (admits + decode steps) have run; returns the state to pass back in (donated).
@@ -270,10 +380,11 @@ def run_continuous(
     bank: every request of the run ([N, P] prompts, [N] parameters). state: from `init_state` or the
     previous call. admit_rows: requests prefilled together in one admit (<= slots). prefix: the L
     tokens every bank prompt starts with, prefilled (`SharedPrefix`, with the drafter's capture layers;
-    every prompt longer than L); None: prefill whole prompts. drafter, spec, draft_params: speculate
-    (one `speculative_round` per decode step; the state from `init_state` with the same drafter);
-    None = autoregressive. The drafter's state must be per row (leaves [B, ...]): an admit replaces
-    the admitted slots' rows with `drafter.init` of their own prefill.
+    every prompt longer than L); None: prefill whole prompts. prompt_cache: recurring prompts prefilled
+    once (`build_prompt_cache`): an admit of cached requests only copies their rows. drafter, spec,
+    draft_params: speculate (one `speculative_round` per decode step; the state from `init_state` with
+    the same drafter); None = autoregressive. The drafter's state must be per row (leaves [B, ...]):
+    an admit replaces the admitted slots' rows with `drafter.init` of their own prefill.
     """
     n = bank.prompt_tokens.shape[0]
     slots = state.pending.shape[0]
@@ -303,6 +414,11 @@ def run_continuous(
         branch = jnp.sum(needed > jnp.asarray(widths[:-1], jnp.int32))
         run_widths = [min(w, bank.prompt_tokens.shape[1] - shared) for w in widths]  # positions run
 
+        def init_drafter(pre: PrefillResult, requests: Requests) -> tuple[KVCache, jax.Array, Any]:
+            if drafter is None:
+                return pre.cache, pre.first_token, ()
+            return pre.cache, pre.first_token, drafter.init(draft_params, params, pre, requests, max_len)
+
         def prefill_at(width: int):
             def run(admitted: Requests) -> tuple[KVCache, jax.Array, Any]:
                 whole = admitted.prompt_tokens[:, : shared + width]
@@ -311,15 +427,22 @@ def run_continuous(
                     graphdef, params, config, narrow, max_len, attention=attention, capture_layers=capture,
                     prefix=prefix,
                 )  # fmt: skip
-                if drafter is None:
-                    return pre.cache, pre.first_token, ()
-                return pre.cache, pre.first_token, drafter.init(draft_params, params, pre, narrow, max_len)
+                return init_drafter(pre, narrow)
 
             return run
 
-        pre_cache, first_token, drafter_state = jax.lax.switch(
-            branch, [prefill_at(w) for w in widths], admitted
-        )
+        branches = [prefill_at(w) for w in widths]
+        if prompt_cache is not None:  # branch 0: every admitted request's prompt is cached, copy it
+            cached = prompt_cache.index[request]
+            branch = jnp.where(jnp.all(jnp.where(valid, cached >= 0, True)), 0, branch + 1)
+
+            def copy(admitted: Requests) -> tuple[KVCache, jax.Array, Any]:
+                rows_read = jnp.maximum(cached, 0)
+                pre = _from_prompt_cache(graphdef, params, prompt_cache, admitted, rows_read, max_len)
+                return init_drafter(pre, admitted)
+
+            branches, run_widths = [copy, *branches], [0, *run_widths]
+        pre_cache, first_token, drafter_state = jax.lax.switch(branch, branches, admitted)
         first = first_output(first_token, capacity, admitted.max_new_tokens, eos)
         admitted_state = dataclasses.replace(
             state,
@@ -392,12 +515,14 @@ def prepare_continuous(
     admit_rows: int | None,
     spec: SpecConfig | None = None,
     share_prefix: bool = False,
+    prompt_cache: bool = True,
 ) -> tuple[ContinuousState, Callable[[ContinuousState, int], ContinuousState]]:
     """(initial state, run(state, max_iterations) -> state) for the checked requests, in bank order.
 
     spec: a checked SpecConfig (`check_spec`), or None / method None for autoregressive decoding.
     Speculating, the output rows and caches get the speculative loop's room (`spec_buffer_sizes`).
     share_prefix: prefill the prompts' shared prefix once (`shared_prefix_length`) and copy it at admits.
+    prompt_cache: prefill the prompts that recur in the bank once (`recurring_prompts`, `PromptCache`).
     """
     n = len(checked.token_lists)
     prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
@@ -428,11 +553,16 @@ def prepare_continuous(
             tokens=jnp.asarray(checked.token_lists[0][:shared], jnp.int32),
         )  # fmt: skip
 
+    cached = None
+    if prompt_cache:
+        index, _ = prompt_cache_plan(model.config, checked.token_lists, slots, max_len, model.dtype)
+        cached = build_prompt_cache(model, bank, index, attention=attention, capture_layers=capture)
+
     def run(state: ContinuousState, max_iterations: int) -> ContinuousState:
         return run_continuous(
             model.graphdef, model.params, bank, state, jnp.int32(max_iterations), config=model.config,
             admit_rows=admit, eos_ids=model.eos_token_ids, attention=attention, drafter=drafter, spec=spec,
-            draft_params=draft_params, prefix=prefix,
+            draft_params=draft_params, prefix=prefix, prompt_cache=cached,
         )  # fmt: skip
 
     return state, run
@@ -446,12 +576,13 @@ _jit_shared_prefix = jax.jit(
 def compile_continuous(
     model: Model, prompts: Sequence[Prompt], max_new_tokens: int | Sequence[int], *, slots: int = 64,
     admit_rows: int | None = None, spec: SpecConfig | dict | None = None, share_prefix: bool = False,
+    prompt_cache: bool = True,
 ) -> None:  # fmt: skip
     """Compile the program `generate_continuous` runs for these requests without generating (for
     benchmarks that exclude compilation)."""
     spec = check_spec(model, spec)
     checked = check_requests(model, prompts, max_new_tokens, None, 0, None)
-    state, run = prepare_continuous(model, checked, slots, admit_rows, spec, share_prefix)
+    state, run = prepare_continuous(model, checked, slots, admit_rows, spec, share_prefix, prompt_cache)
     jax.block_until_ready(run(state, 0))
 
 
@@ -469,6 +600,7 @@ def generate_continuous(
     on_finished: Callable[[list[tuple[int, Completion]]], None] | None = None,
     spec: SpecConfig | dict | None = None,
     share_prefix: bool = False,
+    prompt_cache: bool = True,
 ) -> list[Completion]:
     """`jaxspec.generate` for many requests through `slots` continuously refilled slots; the same tokens
     per request as `jaxspec.generate` gives it alone with the same spec (greedy and sampled).
@@ -485,6 +617,8 @@ def generate_continuous(
       share_prefix: when every prompt starts with the same >= MIN_SHARED_PREFIX tokens, prefill them
         once and copy their keys/values at each admit (the same tokens; default False: prefill whole
         prompts, which measured as fast or faster on CPU).
+      prompt_cache: prefill each prompt that recurs in the requests once and copy its keys/values at
+        its requests' admits (`PromptCache`; the same tokens; default True).
     Returns:
       one Completion per prompt, in order. stats["batch_time_s"] is the time from the start to the
       end of the call that finished the request, stats["batch_decode_steps"] and
@@ -502,14 +636,17 @@ def generate_continuous(
     checked = check_requests(model, prompts, max_new_tokens, sampling, seed, request_ids)
     n = len(checked.token_lists)
     # The bank in decreasing budget order (longest first: the last requests admitted are short, so
-    # few slots idle while the longest finish), and by prefill width within a budget, so requests
-    # admitted together share a prefill width. The order changes no request's tokens.
+    # few slots idle while the longest finish); within a budget the requests with cached prompts first,
+    # then by prefill width, so requests admitted together are all cached or share a prefill width. The
+    # order changes no request's tokens.
     prompt_len = length_bucket(max(len(t) for t in checked.token_lists))
     shared = shared_prefix_length(checked.token_lists, share_prefix)
+    cached = recurring_prompts(checked.token_lists, n if prompt_cache else 0)  # (the cache may hold fewer)
     order = sorted(
         range(n),
         key=lambda i: (
             -checked.max_new[i],
+            cached[i] < 0,
             admit_width(len(checked.token_lists[i]) - shared, prompt_len - shared),
             i,
         ),
@@ -517,7 +654,7 @@ def generate_continuous(
     checked = CheckedRequests(
         *([getattr(checked, f.name)[i] for i in order] for f in dataclasses.fields(CheckedRequests))
     )
-    state, run = prepare_continuous(model, checked, slots, admit_rows, spec, share_prefix)
+    state, run = prepare_continuous(model, checked, slots, admit_rows, spec, share_prefix, prompt_cache)
     completions: list[Completion | None] = [None] * n  # in bank order
     start = time.perf_counter()
     emitted = 0

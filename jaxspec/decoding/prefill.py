@@ -167,12 +167,21 @@ def prefill(
 
         hidden = whole(prefix.hidden, hidden)
         captured = tuple(whole(s, c) for s, c in zip(prefix.captured, captured, strict=True))
-    logits = lm_logits(graphdef, params, last_valid(hidden, requests.prompt_lengths))
-    keys = sampling.derive_key(requests.seeds, requests.request_ids, 0, sampling.PURPOSE_BONUS)
-    first = sampling.sample_logits(logits, requests.sampling, keys)
+    first = first_tokens(graphdef, params, hidden, requests)
     cache = dataclasses.replace(cache, lengths=requests.prompt_lengths.astype(jnp.int32))
     cache = constrain_cache(cache, mesh)
     return PrefillResult(cache=cache, first_token=first, hidden=hidden, captured=captured)
+
+
+def first_tokens(
+    graphdef: nnx.GraphDef, params: nnx.State, hidden: jax.Array, requests: Requests
+) -> jax.Array:
+    """The first new token [B] of each request from its prompt's final hidden states [B, P, d]: drawn
+    with the key of round 0, purpose PURPOSE_BONUS, from the processed target distribution at the
+    row's last prompt position (what `jaxspec.generate` draws for the request alone)."""
+    logits = lm_logits(graphdef, params, last_valid(hidden, requests.prompt_lengths))
+    keys = sampling.derive_key(requests.seeds, requests.request_ids, 0, sampling.PURPOSE_BONUS)
+    return sampling.sample_logits(logits, requests.sampling, keys)
 
 
 def _with_prefix(cache: KVCache, prefix: SharedPrefix) -> KVCache:
