@@ -28,8 +28,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-
 from jaxspec.batch.requests import TokenizedRequest
 from jaxspec.batch.schedule import plan_batches
 from jaxspec.errors import InputError
@@ -127,6 +125,8 @@ def job_need(
 ) -> MemoryNeed:
     """The most memory the job holds at once with `batch_size` (module docstring). items: non-empty."""
     if continuous:
+        import jax  # here, not at the top: `jaxspec generate --help` must not import jax
+
         from jaxspec.decoding.continuous import prompt_cache_plan
 
         need = batch_need(model, items, batch_size, pick_spec(batch_size))
