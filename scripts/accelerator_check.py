@@ -1,6 +1,6 @@
-"""One command for a GPU (or TPU) host: step costs, AR tok/s vs transformers, kernel sweep, predicted
-speedups, written to OUT/{results.json,report.md} within ~8 minutes. Installs nothing; run from the
-checkout with the host's own jax:
+"""One command for a GPU (or TPU) host: step costs, AR tok/s vs transformers, speculative round times,
+kernel sweep, predicted speedups, written to OUT/{results.json,report.md} within ~8 minutes. Installs
+nothing; run from the checkout with the host's own jax:
 
     PYTHONPATH=. python scripts/accelerator_check.py --out docs/bench/accelerator
     PYTHONPATH=. python scripts/accelerator_check.py --smoke --out /tmp/accel   # CPU, tiny shapes, < 90 s

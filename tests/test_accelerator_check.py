@@ -52,11 +52,27 @@ def test_smoke_run_writes_a_well_formed_report(tmp_path):
     assert predicted, "no method of the CPU benchmarks got a prediction"
     for p in predicted:
         assert p["predicted_speedup"] == pytest.approx(p["tau"] / (p["v_device"] + p["gamma"] * p["c_cpu"]))
+    # The speculative loop's round timed with a random EAGLE-3 head (chain of 3) against the AR loop.
+    rounds = results["rounds"]
+    (timed,) = rounds["rows"]
+    assert timed["shape"] == {
+        "method": "eagle3", "num_speculative_tokens": 3, "topk": 1, "num_draft_tokens": None,
+        "lookup_min_match": 0,
+    }  # fmt: skip
+    new_tokens = rounds["new_tokens"]
+    assert (new_tokens - 1) / 4 <= timed["rounds"] <= new_tokens - 1  # 1..4 tokens a round after prefill
+    assert timed["round_s"] > 0
+    assert timed["round_cost"] == pytest.approx(timed["round_s"] / rounds["ar_token_s"])
+    from_round = [p for p in results["predictions"] if p["predicted_from_round"] is not None]
+    assert from_round and all(p["round_shape"] == timed["shape"] for p in from_round)
+    for p in from_round:
+        assert p["predicted_from_round"] == pytest.approx(p["tau"] / timed["round_cost"])
 
     report = (tmp_path / "report.md").read_text()
     headings = (
         "Decode and verify step times",
         "Autoregressive tokens/s",
+        "Speculative round times",
         "Triton kernel launch",
         "Tree attention",
     )

@@ -10,9 +10,13 @@ On a GPU/TPU host it measures, in one process and within a time budget:
      loop over enough input copies to defeat the L2 cache (`kernels.loop_seconds`); before the sweep,
      on GPU, a small tuning grid of the Triton kernel's launch parameters (block_kv, num_warps,
      num_stages), whose best setting is timed beside the defaults in the sweep;
-  4. predicted speedups of the methods in the latest CPU benchmarks: τ (hardware independent) from
-     their JSON, v(N) from (1), c from the CPU run (the draft round is not timed here):
-     τ / (v(N) + γ·c).
+  4. the compiled speculative loop's round time at the AR model's shapes (`round_times`): batch-1
+     greedy generation through `jaxspec.generate` with a random head (spec head="random") for the
+     draft shapes of the CPU benchmarks' methods, against the autoregressive loop's time per token:
+     each round's cost in decode steps, v(N) + γ·c measured as a whole on the device;
+  5. predicted speedups of the methods in the latest CPU benchmarks: τ (hardware independent) from
+     their JSON, v(N) from (1), c from the CPU run: τ / (v(N) + γ·c); and, where (4) measured the
+     method's draft shape, τ / (the measured round cost).
 Sections (`SECTIONS`; `--sections` picks some) run in that order of priority; one that would start
 after the budget is recorded as skipped, so the run ends in time. Off `--smoke`, an error in one
 measurement is recorded and the run goes on (one chance on the device); `--smoke` runs the same code
@@ -72,9 +76,20 @@ MODEL_SHAPES = {
 
 
 # What a run can measure, in the order it runs them: batch-1 step times of the AR model, the AR
-# comparison, the GPU kernel's tuning grid, the kernel sweep, batch-1 step times of the other models,
-# step times of the AR model at the larger batches.
-SECTIONS = ("steps", "ar", "tuning", "kernels", "other_models", "large_batches")
+# comparison, speculative round times of the AR model, the GPU kernel's tuning grid, the kernel sweep,
+# batch-1 step times of the other models, step times of the AR model at the larger batches.
+SECTIONS = ("steps", "ar", "rounds", "tuning", "kernels", "other_models", "large_batches")
+
+# A draft shape (`round_shape`): what a CPU benchmark row's round is timed by at the device's shapes.
+ROUND_FIELDS = ("method", "num_speculative_tokens", "topk", "num_draft_tokens", "lookup_min_match")
+# The shapes the rounds section times, the README's EAGLE-3 rows: chain of 3, with lookup >= 3, trees
+# of 15 and 31 nodes (top-4, depth 5).
+ROUND_SHAPES = (
+    ("eagle3", 3, 1, None, 0),
+    ("eagle3", 3, 1, None, 3),
+    ("eagle3", 5, 4, 15, 0),
+    ("eagle3", 5, 4, 31, 0),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +108,8 @@ class Plan:
     kernel_prefixes: tuple[int, ...]
     kernel_nodes: tuple[int, ...]
     kernel_heads: tuple[int, int, int]
+    round_new_tokens: int = 128
+    round_shapes: tuple[tuple, ...] = ROUND_SHAPES  # in ROUND_FIELDS order
     tuning_shapes: tuple[tuple[int, int, int], ...] = ((1, 32768, 4), (8, 8192, 16), (8, 8192, 64))
     tuning_configs: tuple[tuple[int, int, int, int], ...] = (
         *((block_kv, warps, stages, 64) for block_kv in (32, 64) for warps in (4, 8) for stages in (2, 3, 4)),
@@ -115,8 +132,9 @@ FULL_PLAN = Plan(
 SMOKE_PLAN = Plan(
     step_models=("tiny",), step_batches=(1, 2), step_nodes=(1, 4), step_prefix=64, ar_model="tiny",
     ar_new_tokens=8, kernel_batches=(1,), kernel_prefixes=(256,), kernel_nodes=(4,),
-    kernel_heads=(4, 2, 64), tuning_shapes=((1, 256, 4),), tuning_configs=((16, 4, 2, 16), (32, 4, 2, 16)),
-    iters=2, kernel_iters=2, budget_s=75.0, smoke=True,
+    kernel_heads=(4, 2, 64), round_new_tokens=8, round_shapes=ROUND_SHAPES[:1],
+    tuning_shapes=((1, 256, 4),), tuning_configs=((16, 4, 2, 16), (32, 4, 2, 16)), iters=2, kernel_iters=2,
+    budget_s=75.0, smoke=True,
 )  # fmt: skip
 
 
@@ -477,30 +495,88 @@ def _v_at(v_by_nodes: dict[int, float], nodes: int) -> float | None:
     return v_by_nodes[measured[0]] if measured else None
 
 
+def round_shape(spec: dict | None) -> dict | None:
+    """A CPU benchmark variant's draft shape (ROUND_FIELDS), or None where a random head cannot draft
+    it: no head method, or a Medusa tree (built from the trained head's calibration)."""
+    from jaxspec.config import HEAD_METHODS
+
+    if not spec or spec.get("method") not in HEAD_METHODS:
+        return None
+    if spec["method"] == "medusa" and (spec.get("topk", 1) > 1 or spec.get("tree_choices")):
+        return None
+    shape = {field: spec.get(field) for field in ROUND_FIELDS}
+    shape["lookup_min_match"] = shape["lookup_min_match"] or 0
+    return shape
+
+
 def cpu_bench_methods(bench_dir: Path) -> list[dict]:
-    """Speculative rows of the CPU benchmarks under bench_dir/*/bench.json: label, τ, γ, N, c (CPU)."""
+    """Speculative rows of the CPU benchmarks under bench_dir/*/bench.json: label, τ, γ, N, c (CPU),
+    draft shape (`round_shape`)."""
     rows = []
     for path in sorted(bench_dir.glob("*/bench.json")):
         data = json.loads(path.read_text())
-        costs = {v["label"]: v.get("step_costs") or {} for v in data.get("raw", {}).get("variants", [])}
+        variants = {v["label"]: v for v in data.get("raw", {}).get("variants", [])}
         for row in data.get("summary", {}).get("rows", []):
-            cost = costs.get(row["label"], {})
+            variant = variants.get(row["label"], {})
+            cost = variant.get("step_costs") or {}
             if row.get("method") in (None, "ar") or row.get("tau") is None or not cost:
                 continue
             rows.append({
                 "bench": path.parent.name, "label": row["label"], "tau": row["tau"],
                 "gamma": cost.get("gamma", 1), "nodes": cost.get("num_nodes", 1), "c_cpu": cost.get("c", 0.0),
-                "cpu_speedup": row.get("speedup"),
+                "cpu_speedup": row.get("speedup"), "round_shape": round_shape(variant.get("spec")),
             })  # fmt: skip
     return rows
 
 
-def predictions(methods: list[dict], v_by_nodes: dict[int, float]) -> list[dict]:
+def round_times(
+    graphdef, params, config: ModelConfig, shapes: list[dict], new_tokens: int, attention: str = "auto"
+) -> dict:
+    """Batch-1 greedy generation of `new_tokens` through `jaxspec.generate` (prefill + the compiled
+    loop; the median of 3 runs after a compiling one): the autoregressive loop's seconds per token, and
+    for each draft shape (`round_shape`) the speculative loop's seconds per round with a random head
+    (SpecConfig head="random") at these shapes. A random head's drafts are rarely accepted, so what
+    this measures is a round's cost, not τ: round_cost = seconds per round / seconds per AR token, in
+    decode steps (the v(N) + γ·c of the speedup model, measured as a whole)."""
+    from jaxspec.config import SpecConfig
+    from jaxspec.decoding.generate import generate
+    from jaxspec.model.target import Model
+
+    model = Model(config=config, graphdef=graphdef, params=params, tokenizer=None, source="random weights")
+    prompt = np.random.default_rng(0).integers(1, config.vocab_size, 16).tolist()
+
+    def timed(spec: SpecConfig) -> tuple[float, dict]:
+        generate(model, [prompt], max_new_tokens=new_tokens, spec=spec)  # compiles
+        runs = [generate(model, [prompt], max_new_tokens=new_tokens, spec=spec)[0] for _ in range(3)]
+        return statistics.median(run.stats["batch_time_s"] for run in runs), runs[0].stats
+
+    ar_seconds, _ = timed(SpecConfig(attention=attention))
+    token_s = ar_seconds / new_tokens
+    rows = []
+    for shape in shapes:
+        seconds, stats = timed(SpecConfig(**shape, head="random", attention=attention))
+        round_s = seconds / max(stats["rounds"], 1)
+        rows.append({
+            "shape": shape, "seconds": seconds, "rounds": stats["rounds"], "round_s": round_s,
+            "round_cost": round_s / token_s, "tau_random_head": stats["mean_accepted_length"],
+        })  # fmt: skip
+    return {"new_tokens": new_tokens, "ar_token_s": token_s, "rows": rows}
+
+
+def predictions(methods: list[dict], v_by_nodes: dict[int, float], rounds: dict | None = None) -> list[dict]:
+    """Each method's predicted speedup from v(N) and the CPU's c, and (`predicted_from_round`) from the
+    round cost measured at its draft shape (`round_times`), where that was measured."""
+    costs = {tuple(r["shape"].items()): r["round_cost"] for r in (rounds or {}).get("rows", [])}
     out = []
     for m in methods:
         v = _v_at(v_by_nodes, m["nodes"])
         predicted = m["tau"] / (v + m["gamma"] * m["c_cpu"]) if v else None
-        out.append({**m, "v_device": v, "predicted_speedup": predicted})
+        shape = m.get("round_shape")
+        cost = costs.get(tuple(shape.items())) if shape is not None else None
+        out.append({
+            **m, "v_device": v, "predicted_speedup": predicted, "round_cost_device": cost,
+            "predicted_from_round": m["tau"] / cost if cost else None,
+        })  # fmt: skip
     return out
 
 
@@ -514,7 +590,7 @@ def run_check(plan: Plan, bench_dir: Path) -> dict:
     results: dict[str, Any] = {
         "device": jax.devices()[0].device_kind, "backend": backend, "jax": jax.__version__,
         "python": platform.python_version(), "plan": dataclasses.asdict(plan), "smoke": plan.smoke,
-        "step_times": {}, "ar": None, "kernel": [], "predictions": [],
+        "step_times": {}, "ar": None, "rounds": None, "kernel": [], "predictions": [],
     }  # fmt: skip
     peak = None if backend == "cpu" else DEFAULT_PEAK_GBPS.get(backend)
     results["peak_gbps"] = peak
@@ -530,7 +606,7 @@ def run_check(plan: Plan, bench_dir: Path) -> dict:
         torch_model = recorder.run(
             f"random torch model {first}", lambda: torch_random_model(config, plan.dtype), 30.0
         )
-    if wants & {"steps", "ar", "large_batches"}:
+    if wants & {"steps", "ar", "rounds", "large_batches"}:
         model = recorder.run(
             f"random jax model {first}", lambda: random_model(config, plan.dtype, torch_model), 30.0
         )
@@ -549,8 +625,18 @@ def run_check(plan: Plan, bench_dir: Path) -> dict:
                 ),
                 60.0,
             )
-    torch_model = None  # free the torch copy (and its cached device memory) before the kernel sweep
+    torch_model = None  # free the torch copy (and its cached device memory) before the rounds and kernels
     _release_torch_memory()
+    methods = cpu_bench_methods(bench_dir)
+    results["rounds"] = None
+    if model is not None and "rounds" in wants:
+        shapes = [dict(zip(ROUND_FIELDS, shape, strict=True)) for shape in plan.round_shapes]
+        # ~45 s per shape at Llama-3.1-8B shapes (a compile of the speculative loop and 4 runs)
+        results["rounds"] = recorder.run_attention(
+            f"round times {first}",
+            lambda attention: round_times(*model, config, shapes, plan.round_new_tokens, attention),
+            20.0 + 45.0 * len(shapes) * (1 + config.num_layers) / 33,
+        )
 
     # 3: the Triton kernel's tuning grid (GPU; interpreted in a smoke run), then the kernel sweep.
     tuned = None
@@ -581,7 +667,7 @@ def run_check(plan: Plan, bench_dir: Path) -> dict:
         results["step_times"][first].update(step_times(recorder, first, *model, plan.step_batches[1:]))
 
     v_batch1 = results["step_times"].get(first, {}).get(plan.step_batches[0], {}).get("v", {})
-    results["predictions"] = predictions(cpu_bench_methods(bench_dir), v_batch1)
+    results["predictions"] = predictions(methods, v_batch1, results["rounds"])
     results["skipped"] = recorder.skipped
     results["errors"] = recorder.errors
     results["elapsed_s"] = budget.elapsed()
@@ -674,17 +760,47 @@ def report_markdown(results: dict, command: str) -> str:
             f"{_fmt(r.get('tuned_gbps'), '.1f')} | {_fmt(r.get('tuned_of_peak'), '.1%')} | "
             f"{r['max_abs_err']:.2e} |"
         )
-    lines += ["", "## Predicted speedups on this device", ""]
+    rounds = results.get("rounds")
     lines += [
-        "τ from the CPU benchmark JSON, v(N) measured here at batch 1, c from the CPU run: τ / (v(N) + γ·c).",
+        "",
+        f"## Speculative round times, batch 1 ({results['plan']['ar_model']} shapes, random head)",
         "",
     ]
-    lines += ["| bench | method | τ | γ | N | v(N) | c (CPU) | predicted | CPU measured |", "|" + "---|" * 9]
+    if rounds:
+        lines += [
+            f"`jaxspec.generate`, greedy, {rounds['new_tokens']} new tokens, a random head of the method "
+            f"(its drafts are rarely accepted: this times a round, not τ); autoregressive "
+            f"{rounds['ar_token_s'] * 1e3:.2f} ms per token. Round cost = round time / AR token time, "
+            f"in decode steps (v(N) + γ·c measured as a whole); attention {rounds['attention']}.",
+            "",
+            "| draft shape | rounds | round ms | round cost | τ of the random head |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rounds["rows"]:
+            shape = ", ".join(f"{k}={v}" for k, v in r["shape"].items() if v not in (None, 0))
+            lines.append(
+                f"| {shape} | {r['rounds']} | {r['round_s'] * 1e3:.2f} | {r['round_cost']:.2f} | "
+                f"{r['tau_random_head']:.2f} |"
+            )
+    else:
+        lines.append("not measured (see errors / skipped)")
+    lines += ["", "## Predicted speedups on this device", ""]
+    lines += [
+        "τ from the CPU benchmark JSON, v(N) measured here at batch 1, c from the CPU run: τ / (v(N) + γ·c); "
+        "from round: τ / the round cost measured above at the method's draft shape.",
+        "",
+    ]
+    lines += [
+        "| bench | method | τ | γ | N | v(N) | c (CPU) | predicted | round cost | predicted from round "
+        "| CPU measured |",
+        "|" + "---|" * 11,
+    ]
     for p in results["predictions"]:
         lines.append(
             f"| {p['bench']} | {p['label']} | {p['tau']:.2f} | {p['gamma']} | {p['nodes']} | "
-            f"{_fmt(p['v_device'], '.2f')} | "
-            f"{p['c_cpu']:.3f} | {_fmt(p['predicted_speedup'], '.2f')} | {_fmt(p['cpu_speedup'], '.2f')} |"
+            f"{_fmt(p['v_device'], '.2f')} | {p['c_cpu']:.3f} | {_fmt(p['predicted_speedup'], '.2f')} | "
+            f"{_fmt(p.get('round_cost_device'), '.2f')} | {_fmt(p.get('predicted_from_round'), '.2f')} | "
+            f"{_fmt(p['cpu_speedup'], '.2f')} |"
         )
     lines += ["", f"Skipped (time budget): {', '.join(results['skipped']) or 'none'}.", ""]
     if results["errors"]:
