@@ -657,6 +657,57 @@ def test_memory_estimate_equals_the_caches_the_decoding_loops_allocate(tiny_dir,
     assert kv_cache_bytes(mla, 2, 7, jnp.bfloat16) == tree_bytes(cache) == 3 * 2 * 7 * (16 + 8) * 2 + 2 * 4
 
 
+def test_the_memory_check_counts_the_prompt_cache_and_no_prompt_cache_gives_the_same_tokens(
+    tmp_path, tiny_dir, monkeypatch
+):
+    """A continuous job whose prompts recur (3 prompts x 3 requests, one unique): the memory need adds
+    the prompt cache, its planned rows at the bank's prompt width, at least the bytes of the PromptCache
+    the loop builds and at most the slots' own KV cache; with --no-prompt-cache it adds nothing, the loop
+    builds no cache and the job writes the same tokens."""
+    import jaxspec
+    from jaxspec.batch.memory import job_need
+    from jaxspec.decoding import continuous
+    from jaxspec.model.kv_cache import kv_cache_bytes
+
+    prompts = [[3 + i % 3, 4, 5, 6 + i % 3] for i in range(9)]  # three prompts, three requests each
+    lines = [{"id": f"r{i}", "prompt_ids": p, "max_new_tokens": 33 + i} for i, p in enumerate(prompts)]
+    lines.append({"id": "alone", "prompt_ids": [9, 9, 9], "max_new_tokens": 5})
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    model = jaxspec.load(str(tiny_dir))
+    items = [
+        TokenizedRequest(parse_request(json.dumps(line), i + 1, RequestDefaults()), tuple(line["prompt_ids"]))
+        for i, line in enumerate(lines)
+    ]
+    slots = 3
+    with_cache = job_need(model, items, slots, True, lambda rows: None)
+    without = job_need(model, items, slots, True, lambda rows: None, prompt_cache=False)
+    row_bytes = continuous.prompt_cache_row_bytes(model.config, 16, model.dtype)  # prompts pad to 16
+    assert with_cache.prompt_cache == 3 * row_bytes and without.prompt_cache == 0
+    assert with_cache.total == without.total + 3 * row_bytes
+    assert "prompt cache" in with_cache.describe() and "prompt cache" not in without.describe()
+    assert with_cache.prompt_cache <= kv_cache_bytes(model.config, slots, with_cache.positions, model.dtype)
+
+    built = []
+    original = continuous.build_prompt_cache
+
+    def recording(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(continuous, "build_prompt_cache", recording)
+    common = ["--input", str(src), "--model", str(tiny_dir), "--batch-size", str(slots), "--no-progress"]
+    assert main([*common, "--output", str(tmp_path / "cached.jsonl")]) == 0
+    (cache,) = built
+    assert cache.prefill.cache.keys[0].shape[0] == 3 and cache.prefill.cache.max_len == 16
+    assert sorted(set(cache.index.tolist())) == [-1, 0, 1, 2]  # "alone" is prefilled at its admit
+    assert 0 < tree_bytes(cache.prefill) <= with_cache.prompt_cache
+    assert main([*common, "--output", str(tmp_path / "plain.jsonl"), "--no-prompt-cache"]) == 0
+    assert built[1:] == []  # no cache built
+    cached = {r["id"]: r["token_ids"] for r in read_jsonl(tmp_path / "cached.jsonl")}
+    plain = {r["id"]: r["token_ids"] for r in read_jsonl(tmp_path / "plain.jsonl")}
+    assert cached == plain and len(cached) == 10
+
+
 def test_free_memory_comes_from_the_device_stats_else_meminfo(monkeypatch):
     import jax
 

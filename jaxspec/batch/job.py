@@ -13,6 +13,8 @@ compiled loop (`jaxspec.decoding.continuous`): a finished request frees its slot
 --steps-per-call loop iterations the requests finished so far are appended. A continuous job speculates
 in the same loop, with one draft shape for the whole job: the policy's pick at --batch-size rows (the
 slot count), or --spec as given with --policy fixed, whatever the method (n-gram, draft model, heads).
+A prompt that recurs in the input is prefilled once and copied into each slot that serves it (the prompt
+cache, counted in the memory check; --no-prompt-cache prefills every request's prompt at its admit).
 --batching static runs one `jaxspec.generate` call per planned batch, appended when the batch finishes,
 the policy picking the draft shape per batch.
 
@@ -132,6 +134,11 @@ def add_job_options(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument(
         "--steps-per-call", type=int, default=64,
         help="continuous: loop iterations between writes of the requests finished so far",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-prompt-cache", action="store_true",
+        help="continuous: prefill every request's prompt at its admit (default: a prompt that recurs in the "
+        "input is prefilled once and copied into each slot that serves it; the same tokens either way)",
     )  # fmt: skip
     p.add_argument(
         "--policy", choices=("auto", "off", "fixed"), default="auto",
@@ -300,12 +307,13 @@ def generate_continuously(
     steps_per_call: int,
     spec: Any = None,
     show_progress: bool = True,
+    prompt_cache: bool = True,
 ) -> None:
     """Generation of every item through `slots` continuously refilled slots, autoregressive or
-    speculating with `spec` (`jaxspec.decoding.continuous.generate_continuous`). Every `steps_per_call`
-    loop iterations, the requests finished since the last call are appended (one write + fsync) in the
-    order they finished; time_s is the time from the start of the run to the call that finished the
-    request."""
+    speculating with `spec` (`jaxspec.decoding.continuous.generate_continuous`, its prompt cache on or
+    off). Every `steps_per_call` loop iterations, the requests finished since the last call are appended
+    (one write + fsync) in the order they finished; time_s is the time from the start of the run to the
+    call that finished the request."""
     from tqdm import tqdm
 
     from jaxspec.decoding.continuous import generate_continuous
@@ -330,7 +338,7 @@ def generate_continuously(
 
         generate_continuous(
             model, slots=slots, steps_per_call=steps_per_call, on_finished=write, spec=spec,
-            **_request_arguments(items),
+            prompt_cache=prompt_cache, **_request_arguments(items),
         )  # fmt: skip
 
 
@@ -345,7 +353,7 @@ def choose_batching(
     memory budget (`jaxspec.batch.memory`)."""
     continuous = args.batching == "continuous"
     return continuous, fit_batch_size(
-        model, ready, args.batch_size, continuous, pick_spec, budget, args.input
+        model, ready, args.batch_size, continuous, pick_spec, budget, args.input, not args.no_prompt_cache
     )
 
 
@@ -384,7 +392,7 @@ def run_job(args: argparse.Namespace) -> int:
             if continuous:
                 generate_continuously(
                     model, pending, writer, stats, batch_size, args.steps_per_call, job_spec,
-                    show_progress=not args.no_progress,
+                    show_progress=not args.no_progress, prompt_cache=not args.no_prompt_cache,
                 )  # fmt: skip
             else:
                 batches = plan_pending(ready, batch_size, done)

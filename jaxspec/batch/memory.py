@@ -122,14 +122,18 @@ def job_need(
     batch_size: int,
     continuous: bool,
     pick_spec: Callable[[int], Any],
+    prompt_cache: bool = True,
 ) -> MemoryNeed:
-    """The most memory the job holds at once with `batch_size` (module docstring). items: non-empty."""
+    """The most memory the job holds at once with `batch_size` (module docstring). items: non-empty.
+    prompt_cache: whether a continuous job keeps its recurring prompts' prefills (`--no-prompt-cache`)."""
     if continuous:
         import jax  # here, not at the top: `jaxspec generate --help` must not import jax
 
         from jaxspec.decoding.continuous import prompt_cache_plan
 
         need = batch_need(model, items, batch_size, pick_spec(batch_size))
+        if not prompt_cache:
+            return need
         prompts = [item.prompt_ids for item in items]
         dtype = jax.tree.leaves(model.params)[0].dtype
         _, cached = prompt_cache_plan(model.config, prompts, batch_size, need.positions, dtype)
@@ -149,6 +153,7 @@ def fit_batch_size(
     pick_spec: Callable[[int], Any],
     budget: MemoryBudget | None,
     input_path: str,
+    prompt_cache: bool = True,
 ) -> int:
     """`batch_size` when it fits `budget` (or no budget is known, or there are no requests), else the
     largest smaller size that fits, found by bisection (the need grows with the size), with a note on
@@ -157,7 +162,7 @@ def fit_batch_size(
         return batch_size
 
     def need(size: int) -> MemoryNeed:
-        return job_need(model, items, size, continuous, pick_spec)
+        return job_need(model, items, size, continuous, pick_spec, prompt_cache)
 
     asked = need(batch_size)
     if asked.total <= budget.usable:
