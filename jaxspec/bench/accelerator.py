@@ -12,7 +12,7 @@ On a GPU/TPU host it measures, in one process and within a time budget:
      num_stages), whose best setting is timed beside the defaults in the sweep;
   4. the compiled speculative loop's round time at the AR model's shapes (`round_times`): batch-1
      greedy generation through `jaxspec.generate` with a random head (spec head="random") for the
-     draft shapes of the CPU benchmarks' methods, against the autoregressive loop's time per token:
+     README's EAGLE-3 draft shapes (`ROUND_SHAPES`), against the autoregressive loop's time per token:
      each round's cost in decode steps, v(N) + γ·c measured as a whole on the device;
   5. predicted speedups of the methods in the latest CPU benchmarks: τ (hardware independent) from
      their JSON, v(N) from (1), c from the CPU run: τ / (v(N) + γ·c); and, where (4) measured the
@@ -82,13 +82,13 @@ SECTIONS = ("steps", "ar", "rounds", "tuning", "kernels", "other_models", "large
 
 # A draft shape (`round_shape`): what a CPU benchmark row's round is timed by at the device's shapes.
 ROUND_FIELDS = ("method", "num_speculative_tokens", "topk", "num_draft_tokens", "lookup_min_match")
-# The shapes the rounds section times, the README's EAGLE-3 rows: chain of 3, with lookup >= 3, trees
-# of 15 and 31 nodes (top-4, depth 5).
+# The shapes the rounds section times, the README's EAGLE-3 rows: chain of 3, with lookup >= 3, a tree
+# of 15 nodes (top-4, depth 5) and of 31 (top-8, depth 6: the highest τ of a tree of <= 32 nodes).
 ROUND_SHAPES = (
     ("eagle3", 3, 1, None, 0),
     ("eagle3", 3, 1, None, 3),
     ("eagle3", 5, 4, 15, 0),
-    ("eagle3", 5, 4, 31, 0),
+    ("eagle3", 6, 8, 31, 0),
 )
 
 
