@@ -68,8 +68,9 @@ def _add_generation_args(
     p.add_argument("--topk", type=int, default=1, help="branches per node (tree drafting)")
     p.add_argument(
         "--lookup-min-match", type=int, default=default_lookup_min_match,
-        help="head chains: a row whose last N or more tokens occurred before drafts their continuation "
-        f"(prompt lookup) instead of the head's chain; 0 = off (default {default_lookup_min_match})",
+        help="heads: a row whose last N or more tokens occurred before drafts their continuation "
+        "(prompt lookup) instead of the head's chain, or beside its tree (eagle / eagle3 / mtp, --topk > 1) "
+        f"as one more branch; 0 = off (default {default_lookup_min_match})",
     )  # fmt: skip
     p.add_argument(
         "--token-map", metavar="FILE|shipped",

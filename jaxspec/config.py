@@ -50,6 +50,7 @@ def _as_tuples(value: Any) -> Any:
 SPEC_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
 HEAD_METHODS = ("medusa", "eagle", "eagle3", "mtp")
 TOKEN_MAP_METHODS = ("eagle", "mtp")  # heads whose drafts go through the target's LM head each step
+LOOKUP_TREE_METHODS = ("eagle", "eagle3", "mtp")  # heads whose trees are built per row each round
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,12 @@ class SpecConfig:
     posterior_threshold, posterior_alpha: typical_lossy accepts a draft token x iff
         p(x) > min(posterior_threshold, posterior_alpha * exp(-entropy(p))): Medusa's names and defaults.
     attention: "auto" | "reference" | "pallas" verify attention implementation.
-    lookup_min_match: head chains only; 0 (default) = off. n >= 1: a row whose last n..max(n, ngram_max)
-        tokens occurred earlier in its prompt + output drafts the continuation of that occurrence
-        (prompt lookup) instead of the head's chain that round (`drafters.lookup_first`). Lossless:
-        the choice reads only the row's history.
+    lookup_min_match: 0 (default) = off. n >= 1: a row whose last n..max(n, ngram_max) tokens occurred
+        earlier in its prompt + output drafts the continuation of that occurrence (prompt lookup):
+        with a head's chain, instead of the head's chain that round; with an EAGLE / EAGLE-3 / MTP
+        tree (topk > 1), as one more branch of the root, num_speculative_tokens nodes beside the
+        head's num_draft_tokens (`drafters.lookup_first`). Lossless: the choice reads only the row's
+        history.
     token_map: eagle (EAGLE-1) and mtp, which draft through the target's LM head: a .npy file of
         target token ids (or "shipped": the model's shipped map, configs/heads/MODEL/token_map.npy) that
         the draft ranks and samples over, FR-Spec's frequency-ranked draft vocabulary (SGLang's
@@ -144,10 +147,12 @@ class SpecConfig:
                 f"head ({', '.join(TOKEN_MAP_METHODS)}), not method {self.method!r}"
             )
         is_chain = self.topk == 1 and self.num_draft_tokens is None and self.tree_choices is None
-        if self.lookup_min_match and not (is_chain and self.method in HEAD_METHODS):
+        dynamic_tree = self.topk > 1 and self.tree_choices is None and self.method in LOOKUP_TREE_METHODS
+        if self.lookup_min_match and not ((is_chain and self.method in HEAD_METHODS) or dynamic_tree):
             raise ValueError(
-                f"SpecConfig.lookup_min_match puts prompt lookup in front of a head's chain: method must be "
-                f"one of {HEAD_METHODS} with a chain (topk 1, no num_draft_tokens, no tree_choices), got "
-                f"method {self.method!r}, topk {self.topk}, num_draft_tokens {self.num_draft_tokens}, "
+                f"SpecConfig.lookup_min_match puts prompt lookup beside a head's draft: method must be one "
+                f"of {HEAD_METHODS} with a chain (topk 1, no num_draft_tokens, no tree_choices), or one of "
+                f"{LOOKUP_TREE_METHODS} with a dynamic tree (topk > 1, no tree_choices), got method "
+                f"{self.method!r}, topk {self.topk}, num_draft_tokens {self.num_draft_tokens}, "
                 f"tree_choices {'set' if self.tree_choices else None}"
             )

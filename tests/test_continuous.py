@@ -370,6 +370,15 @@ DRAFTERS = {
     "eagle-tree": SpecConfig(
         method="eagle", head="random", num_speculative_tokens=3, topk=3, num_draft_tokens=7
     ),
+    # prompt lookup as one more branch of the head's tree
+    "eagle-tree-lookup": SpecConfig(
+        method="eagle",
+        head="random",
+        num_speculative_tokens=3,
+        topk=3,
+        num_draft_tokens=7,
+        lookup_min_match=1,
+    ),  # fmt: skip
     "medusa-tree": SpecConfig(
         method="medusa", head="random", tree_choices=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))
     ),

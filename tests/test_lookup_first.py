@@ -32,17 +32,15 @@ def tiny(tmp_path_factory):
     return jaxspec.load(str(path))
 
 
-def test_rows_with_a_lookup_match_draft_its_continuation_and_the_others_the_heads_chain(tiny):
-    head, params = make_drafter(tiny, CHAIN)
-    hybrid, _ = make_drafter(tiny, dataclasses.replace(CHAIN, lookup_min_match=2))
-    assert hybrid == LookupFirstDrafter(head=head, min_match=2, max_match=CHAIN.ngram_max)
-    # row 0 ends with "2 3", which occurred before (continuation 4 1 2); row 1 repeats nothing.
+def two_rows(tiny, head, params, sampling_params: SamplingParams) -> tuple:
+    """(the head's state, the round's context) for two rows after prefill: row 0's history ends with
+    "2 3", which occurred before (continuation 4 1 2); row 1 repeats nothing."""
     history = jnp.asarray([[1, 2, 3, 4, 1, 2, 3], [10, 11, 12, 13, 14, 15, 16]], jnp.int32)
     requests = Requests(
         prompt_tokens=history[:, :-1], prompt_lengths=jnp.full((2,), 6, jnp.int32),
         max_new_tokens=jnp.full((2,), 8, jnp.int32), seeds=jnp.zeros((2,), jnp.int32),
         request_ids=jnp.arange(2, dtype=jnp.int32),
-        sampling=sampling.SamplingArrays.from_params(SamplingParams(temperature=0.7), 2),
+        sampling=sampling.SamplingArrays.from_params(sampling_params, 2),
     )  # fmt: skip
     pre = prefill(tiny.graphdef, tiny.params, tiny.config, requests, 32, capture_layers=head.capture_layers)
     state = head.init(params, tiny.params, pre, requests, 32)
@@ -51,9 +49,18 @@ def test_rows_with_a_lookup_match_draft_its_continuation_and_the_others_the_head
         keys=sampling.derive_key(requests.seeds, requests.request_ids, 1, sampling.PURPOSE_DRAFT),
         sampling=requests.sampling,
     )  # fmt: skip
+    return state, ctx
+
+
+def test_rows_with_a_lookup_match_draft_its_continuation_and_the_others_the_heads_chain(tiny):
+    head, params = make_drafter(tiny, CHAIN)
+    hybrid, _ = make_drafter(tiny, dataclasses.replace(CHAIN, lookup_min_match=2))
+    assert hybrid == LookupFirstDrafter(head=head, min_match=2, max_match=CHAIN.ngram_max)
+    state, ctx = two_rows(tiny, head, params, SamplingParams(temperature=0.7))
     own, _ = head.propose(params, tiny.params, state, ctx)
     tree, _ = hybrid.propose(params, tiny.params, state, ctx)
-    looked_up = ngram_chain(history, ctx.history_len, num_tokens=3, ngram_min=2, ngram_max=CHAIN.ngram_max)
+    chain = dict(num_tokens=3, ngram_min=2, ngram_max=CHAIN.ngram_max)
+    looked_up = ngram_chain(ctx.history, ctx.history_len, **chain)
     np.testing.assert_array_equal(tree.tokens, [[3, 4, 1, 2], np.asarray(own.tokens[1])])
     np.testing.assert_array_equal(tree.tokens[0], looked_up.tokens[0])
     np.testing.assert_array_equal(tree.valid, own.valid)
@@ -63,14 +70,38 @@ def test_rows_with_a_lookup_match_draft_its_continuation_and_the_others_the_head
     np.testing.assert_array_equal(tree.q_probs[1], own.q_probs[1])  # the head's row keeps its own q
 
 
-def test_lookup_first_greedy_output_equals_autoregressive(tiny):
+TREE = SpecConfig(method="eagle", head="random", num_speculative_tokens=3, topk=2, num_draft_tokens=4)
+
+
+def test_a_head_tree_gets_the_lookup_chain_as_one_more_branch_of_the_root(tiny):
+    """With a dynamic tree the head's N nodes stay as they are and the lookup's chain follows them as a
+    branch of the root (parents 0, N, N + 1, depths 1..K); a row without a match leaves those invalid."""
+    head, params = make_drafter(tiny, TREE)
+    hybrid, _ = make_drafter(tiny, dataclasses.replace(TREE, lookup_min_match=2))
+    assert hybrid == LookupFirstDrafter(head=head, min_match=2, max_match=TREE.ngram_max, branch=True)
+    n, k = head.num_nodes, TREE.num_speculative_tokens
+    assert hybrid.num_nodes == n + k and hybrid.max_depth == head.max_depth == k
+    state, ctx = two_rows(tiny, head, params, SamplingParams())
+    own, _ = head.propose(params, tiny.params, state, ctx)
+    tree, _ = hybrid.propose(params, tiny.params, state, ctx)
+    for field in ("tokens", "parent", "depth", "valid"):
+        np.testing.assert_array_equal(getattr(tree, field)[:, :n], getattr(own, field))
+    assert tree.q_probs is None and own.q_probs is None  # top-k trees: deterministic drafts
+    np.testing.assert_array_equal(tree.tokens[0, n:], [4, 1, 2])  # "2 3" occurred: its continuation
+    np.testing.assert_array_equal(tree.parent[:, n:], [[0, n, n + 1]] * 2)
+    np.testing.assert_array_equal(tree.depth[:, n:], [[1, 2, 3]] * 2)
+    np.testing.assert_array_equal(tree.valid[:, n:], [[True] * 3, [False] * 3])
+
+
+@pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])
+def test_lookup_first_greedy_output_equals_autoregressive(tiny, spec):
     """Batch 4, prompts with and without repeats; the lookup chains are verified (more drafts accepted
     than with the random head alone) and the output is the autoregressive one."""
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [250, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7], list(range(30, 45))]
     reference = [c.token_ids for c in jaxspec.generate(tiny, prompts, max_new_tokens=24)]
-    plain = jaxspec.generate(tiny, prompts, max_new_tokens=24, spec=CHAIN)
+    plain = jaxspec.generate(tiny, prompts, max_new_tokens=24, spec=spec)
     hybrid = jaxspec.generate(
-        tiny, prompts, max_new_tokens=24, spec=dataclasses.replace(CHAIN, lookup_min_match=1)
+        tiny, prompts, max_new_tokens=24, spec=dataclasses.replace(spec, lookup_min_match=1)
     )
     assert [c.token_ids for c in plain] == reference == [c.token_ids for c in hybrid]
     accepted = lambda out: sum(c.stats["accepted_by_depth"][0] for c in out)  # noqa: E731
@@ -81,7 +112,8 @@ def test_lookup_first_greedy_output_equals_autoregressive(tiny):
     "spec,message",
     [
         ({"method": "ngram", "lookup_min_match": 2}, "method must be one of"),
-        ({"method": "eagle", "topk": 2, "num_draft_tokens": 5, "lookup_min_match": 2}, "with a chain"),
+        ({"method": "medusa", "topk": 2, "num_draft_tokens": 5, "lookup_min_match": 2}, "with a chain"),
+        ({"method": "eagle", "tree_choices": [[0], [1]], "lookup_min_match": 2}, "with a dynamic tree"),
         ({"method": "eagle", "lookup_min_match": -1}, "lookup_min_match must be >= 0"),
     ],
 )

@@ -43,8 +43,8 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
     p.add_argument("--tree-sizes", type=_ints, default=[], help="tree node budgets for tree drafting")
     p.add_argument(
         "--lookup-min-match", type=_ints, default=[],
-        help="also run each head chain with prompt lookup in front (SpecConfig.lookup_min_match) at each "
-        "of these minimum match lengths, e.g. 2,3",
+        help="also run each head chain (and eagle / eagle3 / mtp tree) with prompt lookup beside the head "
+        "(SpecConfig.lookup_min_match) at each of these minimum match lengths, e.g. 2,3",
     )  # fmt: skip
     p.add_argument(
         "--token-map", default=None, metavar="FILE|shipped",

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxspec.config import HEAD_METHODS, TOKEN_MAP_METHODS, SamplingParams, SpecConfig
+from jaxspec.config import HEAD_METHODS, LOOKUP_TREE_METHODS, TOKEN_MAP_METHODS, SamplingParams, SpecConfig
 from jaxspec.drafters.heads.shipped import RANDOM_HEAD
 from jaxspec.errors import InputError, JaxspecError
 from jaxspec.model.buckets import batch_bucket, length_bucket
@@ -135,9 +135,10 @@ def build_variants(
     draft_model: name or path of the draft_model method's model (None: the target itself, truncated to
     draft_num_layers layers). heads: method -> head checkpoint for medusa / eagle / eagle3 / mtp (a
     method without one runs a seeded random head: its c is real, its acceptance is not).
-    lookup_min_matches: each head chain also runs with `SpecConfig.lookup_min_match` at each of these
-    (label "METHOD γ=K, lookup ≥ n"). token_map: every eagle / mtp variant also runs drafting over this
-    token map (SpecConfig.token_map; label suffix ", token map")."""
+    lookup_min_matches: each head chain and EAGLE / EAGLE-3 / MTP tree also runs with
+    `SpecConfig.lookup_min_match` at each of these (labels "METHOD γ=K, lookup ≥ n", "METHOD tree N (...),
+    lookup ≥ n": the tree then has K more nodes, the lookup's branch). token_map: every eagle / mtp
+    variant also runs drafting over this token map (SpecConfig.token_map; label suffix ", token map")."""
     heads = heads or {}
     variants = [Variant(label=BASELINE, method=BASELINE)]
     skipped: list[dict[str, str]] = []
@@ -163,7 +164,8 @@ def build_variants(
                     Variant(f"{name} γ={gamma}, lookup ≥ {match}{suffix}", name, hybrid, draft_length=gamma)
                 )
         for size in tree_sizes:
-            label = f"{name} tree {size} (top-{tree_topk}, depth {tree_depth}){suffix}"
+            shape = f"{name} tree {size} (top-{tree_topk}, depth {tree_depth})"
+            label = f"{shape}{suffix}"
             if name in CHAIN_ONLY:
                 skipped.append({"label": label, "reason": f"{name} drafts chains only"})
                 continue
@@ -172,6 +174,17 @@ def build_variants(
                 acceptance=acceptance, **extra,
             )  # fmt: skip
             variants.append(Variant(label, name, spec, draft_length=tree_depth, tree_size=size))
+            for match in lookup_min_matches if name in LOOKUP_TREE_METHODS else ():
+                hybrid = dataclasses.replace(spec, lookup_min_match=match)
+                variants.append(
+                    Variant(
+                        f"{shape}, lookup ≥ {match}{suffix}",
+                        name,
+                        hybrid,
+                        draft_length=tree_depth,
+                        tree_size=size,
+                    )
+                )
         if token_map is not None and name in TOKEN_MAP_METHODS:
             mine = [v for v in variants if v.method == name and v.spec is not None]
             variants.extend(

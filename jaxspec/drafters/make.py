@@ -30,12 +30,13 @@ def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
         return drafter, draft.params
     drafter, params = registry.make_head_drafter(model, spec)
     if spec.lookup_min_match:
-        if drafter.num_nodes != drafter.max_depth + 1:  # e.g. a Medusa tree from extra 'tree_preset'
+        branch = spec.topk > 1  # a dynamic tree (SpecConfig checked the method): the lookup is a branch
+        if not branch and drafter.num_nodes != drafter.max_depth + 1:  # a Medusa tree from 'tree_preset'
             raise InputError(
                 f"SpecConfig.lookup_min_match needs a head chain; this {spec.method} spec drafts a tree of "
                 f"{drafter.num_nodes} nodes"
             )
         shortest = spec.lookup_min_match
         longest = max(shortest, spec.ngram_max)
-        drafter = LookupFirstDrafter(head=drafter, min_match=shortest, max_match=longest)
+        drafter = LookupFirstDrafter(head=drafter, min_match=shortest, max_match=longest, branch=branch)
     return drafter, params
