@@ -117,7 +117,7 @@ def test_lookup_first_greedy_output_equals_autoregressive(tiny, spec):
         ({"method": "eagle", "lookup_min_match": -1}, "lookup_min_match must be >= 0"),
     ],
 )
-def test_lookup_first_needs_a_head_chain(spec, message):
+def test_lookup_first_needs_a_head_chain_or_a_dynamic_tree(spec, message):
     with pytest.raises(ValueError, match=message):
         SpecConfig.from_dict(spec)
 
