@@ -22,7 +22,7 @@ def _spec_from_args(args: argparse.Namespace):
     A head method (medusa, eagle, eagle3, mtp) without --head uses the head shipped for --model in
     configs/heads/ (found from the package); with neither it is an error (a random head would accept
     nothing): the same rule as the API (`jaxspec.drafters.heads.shipped.resolve_head`)."""
-    from jaxspec.config import HEAD_METHODS, SpecConfig
+    from jaxspec.config import HEAD_METHODS, LOOKUP_TREE_METHODS, SpecConfig
     from jaxspec.drafters.heads.shipped import shipped_head, shipped_heads_dir
     from jaxspec.errors import InputError
 
@@ -38,7 +38,9 @@ def _spec_from_args(args: argparse.Namespace):
                 f"--spec {args.spec}: no trained head for model {args.model!r} in "
                 f"{shipped_heads_dir() / args.model / args.spec}; pass --head DIR (see `jaxspec train`)"
             )
-    lookup = args.lookup_min_match if args.spec in HEAD_METHODS and args.topk == 1 else 0
+    # prompt lookup: in front of any head's chain, or beside an EAGLE / EAGLE-3 / MTP tree (SpecConfig)
+    chain_or_tree = args.topk == 1 or args.spec in LOOKUP_TREE_METHODS
+    lookup = args.lookup_min_match if args.spec in HEAD_METHODS and chain_or_tree else 0
     return SpecConfig(
         method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head,
         lookup_min_match=lookup, token_map=args.token_map,
@@ -69,8 +71,8 @@ def _add_generation_args(
     p.add_argument(
         "--lookup-min-match", type=int, default=default_lookup_min_match,
         help="heads: a row whose last N or more tokens occurred before drafts their continuation "
-        "(prompt lookup) instead of the head's chain, or beside its tree (eagle / eagle3 / mtp, --topk > 1) "
-        f"as one more branch; 0 = off (default {default_lookup_min_match})",
+        "(prompt lookup) instead of the head's chain, or merged into its tree (eagle / eagle3 / mtp, "
+        f"--topk > 1); 0 = off (default {default_lookup_min_match})",
     )  # fmt: skip
     p.add_argument(
         "--token-map", metavar="FILE|shipped",
@@ -113,7 +115,8 @@ def _describe(spec) -> str:
     if spec is None:
         return "autoregressive"
     shape = f"chain of {spec.num_speculative_tokens}" if spec.topk == 1 else f"tree (top-{spec.topk})"
-    lookup = f", prompt lookup first (match >= {spec.lookup_min_match})" if spec.lookup_min_match else ""
+    where = "first" if spec.topk == 1 else "beside the tree"
+    lookup = f", prompt lookup {where} (match >= {spec.lookup_min_match})" if spec.lookup_min_match else ""
     token_map = f", token map {spec.token_map}" if spec.token_map else ""
     return f"{spec.method} {shape}{lookup}{token_map}"
 

@@ -69,9 +69,9 @@ class SpecConfig:
     lookup_min_match: 0 (default) = off. n >= 1: a row whose last n..max(n, ngram_max) tokens occurred
         earlier in its prompt + output drafts the continuation of that occurrence (prompt lookup):
         with a head's chain, instead of the head's chain that round; with an EAGLE / EAGLE-3 / MTP
-        tree (topk > 1), as one more branch of the root, num_speculative_tokens nodes beside the
-        head's num_draft_tokens (`drafters.lookup_first`). Lossless: the choice reads only the row's
-        history.
+        tree (topk > 1), merged into the tree in num_speculative_tokens more nodes (a branch of the
+        root, or a continuation of the tree's path that holds its first tokens;
+        `drafters.lookup_first.append_branch`). Lossless: the choice reads only the row's history.
     token_map: eagle (EAGLE-1) and mtp, which draft through the target's LM head: a .npy file of
         target token ids (or "shipped": the model's shipped map, configs/heads/MODEL/token_map.npy) that
         the draft ranks and samples over, FR-Spec's frequency-ranked draft vocabulary (SGLang's

@@ -28,6 +28,10 @@ def test_head_methods_default_to_the_shipped_head():
     assert spec.num_speculative_tokens == 3 and spec.lookup_min_match == 0
     assert _spec_from_args(_args(spec="eagle3", lookup_min_match=3)).lookup_min_match == 3
     assert _spec_from_args(_args(spec="ngram", lookup_min_match=3)).lookup_min_match == 0  # heads only
+    tree = _spec_from_args(_args(spec="eagle3", topk=4, lookup_min_match=3))  # beside an EAGLE tree
+    assert tree.topk == 4 and tree.lookup_min_match == 3
+    medusa = _spec_from_args(_args(spec="medusa", head="/some/head", topk=4, lookup_min_match=3))
+    assert medusa.lookup_min_match == 0  # a Medusa tree is static: lookup only in front of its chain
     assert _spec_from_args(_args(spec="medusa", head="/some/head")).head == "/some/head"
     assert _spec_from_args(_args(spec="eagle", token_map="shipped")).token_map == "shipped"
     with pytest.raises(ValueError, match="token_map restricts the drafts of heads"):

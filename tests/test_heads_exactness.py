@@ -232,9 +232,9 @@ def test_token_map_keeps_the_target_distribution(small_vocab, tmp_path, name):
 
 def test_lookup_branch_of_a_tree_keeps_the_target_distribution(small_vocab):
     """`SpecConfig.lookup_min_match` with an EAGLE tree: every row's root occurred before (the prompt holds
-    every token), so each row verifies the head's tree plus the lookup's chain as one more branch of the
-    root, a sibling drafted deterministically (one-hot q) beside the head's top-k children. Attaching the
-    branch under the head's first child instead of the root fails (checked: samples in zero cells)."""
+    every token), so each row verifies the head's tree with the lookup's chain merged in (drafted
+    deterministically: one-hot q, like the head's top-k children). Merging it from the head's first
+    child instead of the root fails (checked: samples in zero cells)."""
     prompt = (3, 9, 4, 11, 2, 7, 0, 1, 5, 6, 8, 10, 12, 13, 14, 15)
     spec = dataclasses.replace(SPECS["eagle"], topk=2, num_draft_tokens=3, lookup_min_match=1)
     drafter, draft_params = make_drafter(small_vocab, spec)

@@ -73,9 +73,19 @@ def test_rows_with_a_lookup_match_draft_its_continuation_and_the_others_the_head
 TREE = SpecConfig(method="eagle", head="random", num_speculative_tokens=3, topk=2, num_draft_tokens=4)
 
 
-def test_a_head_tree_gets_the_lookup_chain_as_one_more_branch_of_the_root(tiny):
-    """With a dynamic tree the head's N nodes stay as they are and the lookup's chain follows them as a
-    branch of the root (parents 0, N, N + 1, depths 1..K); a row without a match leaves those invalid."""
+def path_to(tree, row: int, node: int) -> list[int]:
+    """The tokens from the root's child down to `node` (following parents)."""
+    tokens = []
+    while node > 0:
+        tokens.append(int(tree.tokens[row, node]))
+        node = int(tree.parent[row, node])
+    return tokens[::-1]
+
+
+def test_a_head_tree_gets_the_lookup_chain_merged_in_after_its_nodes(tiny):
+    """With a dynamic tree the head's N nodes stay as they are and the lookup's chain is merged in after
+    them: a path from the root spells its whole continuation, every valid appended node lies on it; a row
+    without a match leaves the appended nodes invalid."""
     head, params = make_drafter(tiny, TREE)
     hybrid, _ = make_drafter(tiny, dataclasses.replace(TREE, lookup_min_match=2))
     assert hybrid == LookupFirstDrafter(head=head, min_match=2, max_match=TREE.ngram_max, branch=True)
@@ -87,10 +97,43 @@ def test_a_head_tree_gets_the_lookup_chain_as_one_more_branch_of_the_root(tiny):
     for field in ("tokens", "parent", "depth", "valid"):
         np.testing.assert_array_equal(getattr(tree, field)[:, :n], getattr(own, field))
     assert tree.q_probs is None and own.q_probs is None  # top-k trees: deterministic drafts
-    np.testing.assert_array_equal(tree.tokens[0, n:], [4, 1, 2])  # "2 3" occurred: its continuation
-    np.testing.assert_array_equal(tree.parent[:, n:], [[0, n, n + 1]] * 2)
-    np.testing.assert_array_equal(tree.depth[:, n:], [[1, 2, 3]] * 2)
-    np.testing.assert_array_equal(tree.valid[:, n:], [[True] * 3, [False] * 3])
+    valid = np.asarray(tree.valid)
+    paths = [path_to(tree, 0, i) for i in range(n + k) if valid[0, i]]
+    assert [4, 1, 2] in paths  # "2 3" occurred before: its continuation is a path of the merged tree
+    assert all(
+        path_to(tree, 0, i) == [4, 1, 2][: len(path_to(tree, 0, i))] for i in range(n, n + k) if valid[0, i]
+    )
+    assert not valid[1, n:].any()
+
+
+def test_the_lookup_chain_continues_the_heads_path_where_the_tree_has_its_first_tokens():
+    """The exact walk descends only into the first accepted child: a chain whose first tokens the tree
+    already holds is hung under the tree's node for them (a duplicate root child would never be
+    reached once the head's is accepted)."""
+    from jaxspec.drafters.lookup_first import append_branch
+    from jaxspec.sampling.tree import DraftTree
+
+    # root 9; children 4 (node 1) and 5 (node 2); node 1's child 1 (node 3), node 2's child 7 (node 4).
+    tree = DraftTree(
+        tokens=jnp.asarray([[9, 4, 5, 1, 7]] * 3, jnp.int32),
+        parent=jnp.asarray([[-1, 0, 0, 1, 2]] * 3, jnp.int32),
+        depth=jnp.asarray([[0, 1, 1, 2, 2]] * 3, jnp.int32),
+        valid=jnp.asarray([[True] * 5] * 3),
+    )
+    chains = jnp.asarray([[9, 4, 1, 2], [9, 5, 8, 3], [9, 6, 4, 1]], jnp.int32)
+    chain_valid = jnp.asarray([[True] * 4, [True] * 4, [True, True, True, False]])
+    merged = append_branch(tree, chains, chain_valid)
+    # row 0: 4 and 1 are nodes 1 and 3, so only 2 is new, under node 3
+    # row 1: 5 is node 2, 8 is new under it, 3 under 8
+    # row 2: nothing shared, a branch of the root (its last token invalid)
+    np.testing.assert_array_equal(
+        merged.valid[:, 5:], [[False, False, True], [False, True, True], [True, True, False]]
+    )
+    np.testing.assert_array_equal(merged.parent[:, 5:], [[0, 1, 3], [0, 2, 6], [0, 5, 6]])
+    np.testing.assert_array_equal(merged.depth[:, 5:], [[1, 2, 3]] * 3)
+    np.testing.assert_array_equal(merged.tokens[:, 5:], chains[:, 1:])
+    np.testing.assert_array_equal(merged.parent[:, :5], tree.parent)  # the head's nodes stay as they are
+    assert path_to(merged, 0, 7) == [4, 1, 2] and path_to(merged, 1, 7) == [5, 8, 3]
 
 
 @pytest.mark.parametrize("spec", [CHAIN, TREE], ids=["chain", "tree"])

@@ -11,7 +11,7 @@ shape the job's policy picks at that size):
 
 - continuous: `batch_size` slots, each with a cache sized for the longest prompt and the largest
   max_new_tokens of the input, and the prompt cache of the input's recurring prompts (at most the
-  slots' KV cache, `jaxspec.decoding.continuous.prompt_cache_budget`);
+  slots' KV cache, `jaxspec.decoding.continuous.prompt_cache_budget`; none with --no-prompt-cache);
 - static: the largest of the planned batches' (`plan_batches`), each padded to a power of two rows and
   sized for its own requests.
 

@@ -82,12 +82,12 @@ SECTIONS = ("steps", "ar", "rounds", "tuning", "kernels", "other_models", "large
 
 # A draft shape (`round_shape`): what a CPU benchmark row's round is timed by at the device's shapes.
 ROUND_FIELDS = ("method", "num_speculative_tokens", "topk", "num_draft_tokens", "lookup_min_match")
-# The shapes the rounds section times, the README's EAGLE-3 rows: chain of 3, with lookup >= 3, a tree
-# of 15 nodes (top-4, depth 5) and of 31 (top-8, depth 6: the highest τ of a tree of <= 32 nodes).
+# The shapes the rounds section times, the README's EAGLE-3 rows: chain of 3, with lookup >= 3, trees
+# of 15 and 31 nodes from the top-8 children, depth 6 (the highest τ at those sizes).
 ROUND_SHAPES = (
     ("eagle3", 3, 1, None, 0),
     ("eagle3", 3, 1, None, 3),
-    ("eagle3", 5, 4, 15, 0),
+    ("eagle3", 6, 8, 15, 0),
     ("eagle3", 6, 8, 31, 0),
 )
 
@@ -529,38 +529,62 @@ def cpu_bench_methods(bench_dir: Path) -> list[dict]:
     return rows
 
 
-def round_times(
-    graphdef, params, config: ModelConfig, shapes: list[dict], new_tokens: int, attention: str = "auto"
-) -> dict:
-    """Batch-1 greedy generation of `new_tokens` through `jaxspec.generate` (prefill + the compiled
-    loop; the median of 3 runs after a compiling one): the autoregressive loop's seconds per token, and
-    for each draft shape (`round_shape`) the speculative loop's seconds per round with a random head
-    (SpecConfig head="random") at these shapes. A random head's drafts are rarely accepted, so what
-    this measures is a round's cost, not τ: round_cost = seconds per round / seconds per AR token, in
-    decode steps (the v(N) + γ·c of the speedup model, measured as a whole)."""
-    from jaxspec.config import SpecConfig
+def generate_seconds(target, spec, new_tokens: int) -> tuple[float, dict]:
+    """(median seconds of 3 runs after a compiling one, the stats of one) of batch-1 greedy generation
+    of `new_tokens` from a fixed 16-token prompt through `jaxspec.generate`: prefill + the compiled loop
+    (spec None or method None: autoregressive)."""
     from jaxspec.decoding.generate import generate
+
+    prompt = np.random.default_rng(0).integers(1, target.config.vocab_size, 16).tolist()
+    generate(target, [prompt], max_new_tokens=new_tokens, spec=spec)  # compiles
+    runs = [generate(target, [prompt], max_new_tokens=new_tokens, spec=spec)[0] for _ in range(3)]
+    return statistics.median(run.stats["batch_time_s"] for run in runs), runs[0].stats
+
+
+def round_times(recorder: Recorder, graphdef, params, name: str) -> dict | None:
+    """The speculative loop's seconds per round at model `name`'s shapes for each of the plan's draft
+    shapes (`ROUND_SHAPES`), with a random head (SpecConfig head="random"), against the autoregressive
+    loop's seconds per token; each timed apart (`generate_seconds`), so a failing shape loses only
+    itself. A random head's drafts are rarely accepted, so this measures a round's cost, not τ:
+    round_cost = seconds per round / seconds per AR token, in decode steps (the v(N) + γ·c of the
+    speedup model, measured as a whole). Both include the one prefill, spread over the rounds and over
+    the tokens (~1/rounds of a decode step more in the round cost when few drafts are accepted)."""
+    from jaxspec.config import SpecConfig
     from jaxspec.model.target import Model
 
-    model = Model(config=config, graphdef=graphdef, params=params, tokenizer=None, source="random weights")
-    prompt = np.random.default_rng(0).integers(1, config.vocab_size, 16).tolist()
-
-    def timed(spec: SpecConfig) -> tuple[float, dict]:
-        generate(model, [prompt], max_new_tokens=new_tokens, spec=spec)  # compiles
-        runs = [generate(model, [prompt], max_new_tokens=new_tokens, spec=spec)[0] for _ in range(3)]
-        return statistics.median(run.stats["batch_time_s"] for run in runs), runs[0].stats
-
-    ar_seconds, _ = timed(SpecConfig(attention=attention))
-    token_s = ar_seconds / new_tokens
+    plan, config = recorder.plan, MODEL_SHAPES[name]
+    target = Model(config=config, graphdef=graphdef, params=params, tokenizer=None, source="random weights")
+    new_tokens = plan.round_new_tokens
+    cost = 10.0 + 20.0 * config.num_layers / 32  # one compile + 4 runs; a tree's compile ~2x (8B shapes)
+    base = recorder.run_attention(
+        f"AR token time {name}",
+        lambda attention: {
+            "token_s": generate_seconds(target, SpecConfig(attention=attention), new_tokens)[0]
+        },
+        cost,
+    )
+    if base is None:
+        return None
+    token_s = base["token_s"] / new_tokens
     rows = []
-    for shape in shapes:
-        seconds, stats = timed(SpecConfig(**shape, head="random", attention=attention))
-        round_s = seconds / max(stats["rounds"], 1)
-        rows.append({
-            "shape": shape, "seconds": seconds, "rounds": stats["rounds"], "round_s": round_s,
-            "round_cost": round_s / token_s, "tau_random_head": stats["mean_accepted_length"],
-        })  # fmt: skip
-    return {"new_tokens": new_tokens, "ar_token_s": token_s, "rows": rows}
+    for values in plan.round_shapes:
+        shape = dict(zip(ROUND_FIELDS, values, strict=True))
+
+        def row(attention: str, shape=shape) -> dict:
+            seconds, stats = generate_seconds(
+                target, SpecConfig(**shape, head="random", attention=attention), new_tokens
+            )
+            round_s = seconds / max(stats["rounds"], 1)
+            return {
+                "shape": shape, "seconds": seconds, "rounds": stats["rounds"], "round_s": round_s,
+                "round_cost": round_s / token_s, "tau_random_head": stats["mean_accepted_length"],
+            }  # fmt: skip
+
+        label = ", ".join(f"{k}={v}" for k, v in shape.items() if v not in (None, 0))
+        measured = recorder.run_attention(f"round time {name} {label}", row, 2 * cost)
+        if measured is not None:
+            rows.append(measured)
+    return {"new_tokens": new_tokens, "ar_token_s": token_s, "attention": base["attention"], "rows": rows}
 
 
 def predictions(methods: list[dict], v_by_nodes: dict[int, float], rounds: dict | None = None) -> list[dict]:
@@ -630,13 +654,7 @@ def run_check(plan: Plan, bench_dir: Path) -> dict:
     methods = cpu_bench_methods(bench_dir)
     results["rounds"] = None
     if model is not None and "rounds" in wants:
-        shapes = [dict(zip(ROUND_FIELDS, shape, strict=True)) for shape in plan.round_shapes]
-        # ~45 s per shape at Llama-3.1-8B shapes (a compile of the speculative loop and 4 runs)
-        results["rounds"] = recorder.run_attention(
-            f"round times {first}",
-            lambda attention: round_times(*model, config, shapes, plan.round_new_tokens, attention),
-            20.0 + 45.0 * len(shapes) * (1 + config.num_layers) / 33,
-        )
+        results["rounds"] = round_times(recorder, *model, first)
 
     # 3: the Triton kernel's tuning grid (GPU; interpreted in a smoke run), then the kernel sweep.
     tuned = None

@@ -137,7 +137,7 @@ def build_variants(
     method without one runs a seeded random head: its c is real, its acceptance is not).
     lookup_min_matches: each head chain and EAGLE / EAGLE-3 / MTP tree also runs with
     `SpecConfig.lookup_min_match` at each of these (labels "METHOD γ=K, lookup ≥ n", "METHOD tree N (...),
-    lookup ≥ n": the tree then has K more nodes, the lookup's branch). token_map: every eagle / mtp
+    lookup ≥ n": the tree then has K more nodes, the lookup's chain merged in). token_map: every eagle / mtp
     variant also runs drafting over this token map (SpecConfig.token_map; label suffix ", token map")."""
     heads = heads or {}
     variants = [Variant(label=BASELINE, method=BASELINE)]

@@ -16,7 +16,7 @@ protocol     the Drafter protocol, RoundContext (what a drafter sees each round)
 make         make_drafter(model, spec) -> (drafter, draft_params): the one entry the engine calls
 ngram        prompt lookup (n-gram) drafting, NgramDrafter
 draft_model  an independent smaller Llama as drafter, DraftModelDrafter
-lookup_first prompt lookup in front of a head's chain (SpecConfig.lookup_min_match), LookupFirstDrafter
+lookup_first prompt lookup beside a head's chain or tree (SpecConfig.lookup_min_match), LookupFirstDrafter
 tree_build   static (Medusa) and dynamic (EAGLE-2) tree builders, tree presets
 policy       batch-aware speculation policy (how much to draft at a batch size, and when not to)
 heads/       draft heads: one subpackage per family (medusa, eagle, mtp), their registry

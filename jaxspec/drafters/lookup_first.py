@@ -1,8 +1,8 @@
 """Prompt lookup beside a head: a row whose history ends with an n-gram that occurred before drafts that
 occurrence's continuation (`ngram.ngram_chain`). With a head's chain, that row verifies the lookup's
 chain instead of the head's (the other rows draft the head's chain); with a head's tree (EAGLE-2-style
-dynamic trees), the lookup's chain is one more branch of the root, appended after the head's nodes, and
-a row without a match leaves those nodes invalid.
+dynamic trees), the lookup's chain is merged into the tree as a trie in nodes appended after the head's
+(`append_branch`), and a row without a match leaves those nodes invalid.
 
 Text that repeats (a summary quoting its passage, code reusing names, a list's parallel items) is where
 a lookup continuation is accepted most often: on the dev prompts' greedy answers, positions whose last 4
@@ -34,7 +34,7 @@ class LookupFirstDrafter:
     """A head's drafter (`head`, depth K) with prompt lookup beside it: a row whose last n tokens,
     min_match <= n <= max_match, occurred earlier in its history drafts the continuation of the most
     recent occurrence of the longest such n-gram, up to K tokens: instead of the head's chain, or
-    (branch=True, a head tree of N nodes) as K more nodes, a branch of the root (N + K nodes)."""
+    (branch=True, a head tree of N nodes) merged into the tree in K more nodes (N + K; `append_branch`)."""
 
     head: Drafter
     min_match: int
@@ -90,22 +90,36 @@ class LookupFirstDrafter:
 
 
 def append_branch(tree: DraftTree, chain_tokens: jax.Array, chain_valid: jax.Array) -> DraftTree:
-    """`tree` [B, N] with a chain [B, K + 1] (root first, as `ngram_chain` returns it) appended as a
-    branch of the root: nodes N..N + K - 1, the first one's parent the root, each next one's the one
-    before; q one-hot on the chain's tokens (when the tree carries q)."""
+    """`tree` [B, N] with a chain [B, K + 1] (root first, as `ngram_chain` returns it) merged in as a
+    trie, in K appended nodes N..N + K - 1: while the chain's tokens follow a path of the tree's own
+    valid nodes (from the root), its nodes there are left invalid (duplicates); its first token off that
+    path hangs under the path's last node, and each next one under the one before. So the chain is a
+    branch of the root where the tree has nothing of it, and a continuation of the tree's path where it
+    has (the exact walk, which only descends into the first accepted child, reaches it either way).
+    Parents precede children, depths are the parents' + 1, and q is one-hot on the chain's tokens (when
+    the tree carries q). K is static and small: the loop over depths is unrolled."""
     b, n = tree.tokens.shape
     k = chain_tokens.shape[1] - 1
-    steps = jnp.arange(k, dtype=jnp.int32)
-    parent = jnp.broadcast_to(jnp.where(steps == 0, 0, n + steps - 1), (b, k))
-    depth = jnp.broadcast_to(steps + 1, (b, k))
+    attach = jnp.zeros((b,), tree.parent.dtype)  # the tree node the chain follows so far (the root)
+    following = jnp.ones((b,), bool)  # the chain's tokens so far are a path of the tree
+    parents, valids = [], []
+    for d in range(1, k + 1):
+        token, valid = chain_tokens[:, d], chain_valid[:, d]
+        same = tree.valid & (tree.parent == attach[:, None]) & (tree.tokens == token[:, None])  # [B, N]
+        found = following & valid & jnp.any(same, axis=1)
+        parents.append(jnp.where(following, attach, n + d - 2).astype(tree.parent.dtype))
+        valids.append(valid & ~found)
+        attach = jnp.where(found, jnp.argmax(same, axis=1).astype(attach.dtype), attach)
+        following = found
     q_probs = tree.q_probs
     if q_probs is not None:
         one_hot = jax.nn.one_hot(chain_tokens[:, 1:], q_probs.shape[-1], dtype=q_probs.dtype)
         q_probs = jnp.concatenate([q_probs, one_hot], axis=1)
+    depth = jnp.broadcast_to(jnp.arange(1, k + 1, dtype=tree.depth.dtype), (b, k))
     return DraftTree(
         tokens=jnp.concatenate([tree.tokens, chain_tokens[:, 1:]], axis=1),
-        parent=jnp.concatenate([tree.parent, parent.astype(tree.parent.dtype)], axis=1),
-        depth=jnp.concatenate([tree.depth, depth.astype(tree.depth.dtype)], axis=1),
-        valid=jnp.concatenate([tree.valid, chain_valid[:, 1:]], axis=1),
+        parent=jnp.concatenate([tree.parent, jnp.stack(parents, axis=1)], axis=1),
+        depth=jnp.concatenate([tree.depth, depth], axis=1),
+        valid=jnp.concatenate([tree.valid, jnp.stack(valids, axis=1)], axis=1),
         q_probs=q_probs,
     )
