@@ -72,6 +72,8 @@ class SpecConfig:
         tree (topk > 1), merged into the tree in num_speculative_tokens more nodes (a branch of the
         root, or a continuation of the tree's path that holds its first tokens;
         `drafters.lookup_first.append_branch`). Lossless: the choice reads only the row's history.
+        With a chain, 3 drafts best on the dev prompts (a weak match displaces the head's chain); with
+        a tree, whose lookup nodes displace nothing, 1 does (README, "Wider EAGLE-3 trees").
     token_map: eagle (EAGLE-1) and mtp, which draft through the target's LM head: a .npy file of
         target token ids (or "shipped": the model's shipped map, configs/heads/MODEL/token_map.npy) that
         the draft ranks and samples over, FR-Spec's frequency-ranked draft vocabulary (SGLang's
