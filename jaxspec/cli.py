@@ -43,7 +43,7 @@ def _spec_from_args(args: argparse.Namespace):
     lookup = args.lookup_min_match if args.spec in HEAD_METHODS and chain_or_tree else 0
     return SpecConfig(
         method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head,
-        lookup_min_match=lookup, token_map=args.token_map,
+        lookup_min_match=lookup, token_map=args.token_map, datastore=getattr(args, "datastore", None),
     )  # fmt: skip
 
 
@@ -77,6 +77,12 @@ def _add_generation_args(
     p.add_argument(
         "--token-map", metavar="FILE|shipped",
         help="eagle / mtp: draft over these token ids only (a .npy; 'shipped' = the model's, FR-Spec)",
+    )  # fmt: skip
+    p.add_argument(
+        "--datastore", metavar="DIR|shipped",
+        help="eagle / eagle3 / mtp trees (--topk > 1): merge the n-gram chain of this distilled data set "
+        "(the target's own answers; 'shipped' = configs/distilled/MODEL) into the tree where prompt lookup "
+        "finds nothing (SpecConfig.datastore)",
     )  # fmt: skip
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
@@ -118,7 +124,8 @@ def _describe(spec) -> str:
     where = "first" if spec.topk == 1 else "beside the tree"
     lookup = f", prompt lookup {where} (match >= {spec.lookup_min_match})" if spec.lookup_min_match else ""
     token_map = f", token map {spec.token_map}" if spec.token_map else ""
-    return f"{spec.method} {shape}{lookup}{token_map}"
+    datastore = f", datastore {spec.datastore}" if spec.datastore else ""
+    return f"{spec.method} {shape}{lookup}{token_map}{datastore}"
 
 
 class _Printer:

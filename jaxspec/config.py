@@ -74,6 +74,14 @@ class SpecConfig:
         `drafters.lookup_first.append_branch`). Lossless: the choice reads only the row's history.
         With a chain, 3 drafts best on the dev prompts (a weak match displaces the head's chain); with
         a tree, whose lookup nodes displace nothing, 1 does (README, "Wider EAGLE-3 trees").
+    datastore: None (default) = off. A distilled data set directory (or "shipped": the model's
+        configs/distilled/MODEL, the target's own answers) read as an n-gram table
+        (`drafters.datastore`): with an EAGLE / EAGLE-3 / MTP dynamic tree, a row without a prompt-lookup
+        match (every row when lookup_min_match is 0) gets the table's chain of num_speculative_tokens
+        merged into its tree instead (the same appended nodes). Lossless: the chain reads only the row's
+        history and the fixed table. Built on the host when the drafter is made (~15 s for the shipped
+        3 M tokens; cached per process).
+    datastore_max_match: the longest n-gram the table holds (8; more context, more keys).
     token_map: eagle (EAGLE-1) and mtp, which draft through the target's LM head: a .npy file of
         target token ids (or "shipped": the model's shipped map, configs/heads/MODEL/token_map.npy) that
         the draft ranks and samples over, FR-Spec's frequency-ranked draft vocabulary (SGLang's
@@ -99,6 +107,8 @@ class SpecConfig:
     attention: str = "auto"
     lookup_min_match: int = 0
     token_map: str | None = None
+    datastore: str | None = None
+    datastore_max_match: int = 8
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     @classmethod
@@ -150,6 +160,15 @@ class SpecConfig:
             )
         is_chain = self.topk == 1 and self.num_draft_tokens is None and self.tree_choices is None
         dynamic_tree = self.topk > 1 and self.tree_choices is None and self.method in LOOKUP_TREE_METHODS
+        if self.datastore is not None and not dynamic_tree:
+            raise ValueError(
+                f"SpecConfig.datastore merges the datastore's chain into a head's dynamic tree: method must "
+                f"be one of {LOOKUP_TREE_METHODS} with topk > 1 and no tree_choices, got method "
+                f"{self.method!r}, "
+                f"topk {self.topk}, tree_choices {'set' if self.tree_choices else None}"
+            )
+        if self.datastore_max_match < 1:
+            raise ValueError(f"SpecConfig.datastore_max_match must be >= 1, got {self.datastore_max_match}")
         if self.lookup_min_match and not ((is_chain and self.method in HEAD_METHODS) or dynamic_tree):
             raise ValueError(
                 f"SpecConfig.lookup_min_match puts prompt lookup beside a head's draft: method must be one "

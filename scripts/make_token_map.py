@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxspec.train.dataset import DistilledDataset
+from jaxspec.loading.dataset import DistilledDataset
 from jaxspec.train.head_setup import draft_vocabulary
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxspec.errors import DatasetError
-from jaxspec.train.dataset import MANIFEST, DistilledDataset, encode_record
+from jaxspec.loading.dataset import MANIFEST, DistilledDataset, encode_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def test_round_trip_across_two_runs_is_bit_identical(tmp_path):
 
 def test_a_run_records_its_commit_dirty_only_for_changes_outside_the_data_set(tmp_path):
     """A data set kept in the checkout changes the checkout as it grows; that alone is no code change."""
-    from jaxspec.train.dataset import current_commit
+    from jaxspec.loading.dataset import current_commit
 
     repo = tmp_path / "repo"
     (repo / "code").mkdir(parents=True)
@@ -150,7 +150,7 @@ WRITER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from tests.test_dataset import make_rows
-from jaxspec.train.dataset import DistilledDataset
+from jaxspec.loading.dataset import DistilledDataset
 rows = make_rows(400)
 data = DistilledDataset.open_or_create(sys.argv[1], model="m", vocab_size=49152)
 writer = data.writer(prompt_source="magpie", seed=0)
@@ -185,8 +185,8 @@ def test_the_repository_data_set_reads_back_whole_as_its_manifest_says():
     """The shipped data set (configs/distilled/smollm2-135m): every shard decodes to exactly the records,
     prompt and response tokens its manifest run commits, with no torn tail; ids are unique; it holds the
     issue's >= 2 M target-generated response tokens."""
+    from jaxspec.loading.dataset import scan_shard
     from jaxspec.resources import configs_dir
-    from jaxspec.train.dataset import scan_shard
 
     dataset = DistilledDataset.open(configs_dir() / "distilled" / "smollm2-135m")
     ids: set[str] = set()

@@ -242,3 +242,27 @@ def test_lookup_branch_of_a_tree_keeps_the_target_distribution(small_vocab):
     assert drafter.num_nodes == drafter.head.num_nodes + spec.num_speculative_tokens
     excess = deviation(small_vocab, drafter, draft_params, prompt)
     assert excess <= 1.0, f"deviation {excess:.2f}x the bound"
+
+
+def test_datastore_branch_of_a_tree_keeps_the_target_distribution(small_vocab, tmp_path):
+    """`SpecConfig.datastore` with an EAGLE tree: the data set holds every token of the vocabulary in
+    context, so each row verifies the head's tree with the datastore's chain merged in (deterministic
+    drafts: one-hot q, like the head's top-k children). Merging the chain from the head's first child
+    instead of the root fails (checked: 45 samples in zero cells)."""
+    from jaxspec.loading.dataset import DistilledDataset
+
+    rng = np.random.default_rng(0)
+    data = DistilledDataset.open_or_create(tmp_path, model="tiny", vocab_size=VOCAB)
+    writer = data.writer(prompt_source="test", seed=0)
+    writer.append(
+        [
+            {"id": f"r{i}", "prompt_ids": [1], "response_ids": rng.integers(0, VOCAB, 64).tolist()}
+            for i in range(8)
+        ]
+    )
+    writer.finish()
+    spec = dataclasses.replace(SPECS["eagle"], topk=2, num_draft_tokens=3, datastore=str(tmp_path))
+    drafter, draft_params = make_drafter(small_vocab, spec)
+    assert isinstance(drafter, LookupFirstDrafter) and drafter.datastore and not drafter.min_match
+    excess = deviation(small_vocab, drafter, draft_params)
+    assert excess <= 1.0, f"deviation {excess:.2f}x the bound"

@@ -417,7 +417,7 @@ def test_argmax_from_greedy_data_is_the_targets_argmax_at_every_response_positio
     the argmax the target's LM head gives at every position whose prediction is a response token, with
     the same features; `--feature-argmax data` on a data set with a sampled run is refused."""
     from jaxspec.cli import main
-    from jaxspec.train.dataset import DistilledDataset
+    from jaxspec.loading.dataset import DistilledDataset
     from jaxspec.train.features import write_features
 
     fast = write_features(tiny_model, rows, tmp_path / "fast", max_len=32, capture_layers=(0, 1, 1),
@@ -504,7 +504,7 @@ def test_eagle3_position_mask_drops_exactly_the_targets_outside_the_draft_vocabu
 
 def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
     from jaxspec.cli import main
-    from jaxspec.train.dataset import DistilledDataset
+    from jaxspec.loading.dataset import DistilledDataset
     from jaxspec.train.distill import append_jsonl_rows
     from jaxspec.train.features import FeatureStore
 

@@ -51,6 +51,12 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
         help="also run each eagle / mtp variant drafting over this token map (SpecConfig.token_map, "
         "FR-Spec; 'shipped' = the model's configs/heads/MODEL/token_map.npy)",
     )  # fmt: skip
+    p.add_argument(
+        "--datastore", default=None, metavar="DIR|shipped",
+        help="also run each eagle / eagle3 / mtp tree with this distilled data set's n-gram chain merged "
+        "in, alone and beside each --lookup-min-match (SpecConfig.datastore; 'shipped' = "
+        "configs/distilled/MODEL)",
+    )  # fmt: skip
     p.add_argument("--tree-topk", type=int, default=4, help="children per node for tree variants")
     p.add_argument("--tree-depth", type=int, default=4, help="draft depth for tree variants")
     p.add_argument(
@@ -173,7 +179,7 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     variants, skipped = runner.build_variants(
         methods, tree_sizes=args.tree_sizes, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
         draft_num_layers=None if args.draft_model else args.draft_num_layers, acceptance=args.acceptance,
-        lookup_min_matches=args.lookup_min_match, token_map=args.token_map,
+        lookup_min_matches=args.lookup_min_match, token_map=args.token_map, datastore=args.datastore,
         peer_lookup_tokens=lookup, peer=use_peer, draft_model=args.draft_model,
         heads=_default_heads(args.model, args.heads),
     )  # fmt: skip

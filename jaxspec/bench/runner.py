@@ -125,6 +125,7 @@ def build_variants(
     acceptance: str = "exact",
     lookup_min_matches: Sequence[int] = (),
     token_map: str | None = None,
+    datastore: str | None = None,
     peer_lookup_tokens: Sequence[int] = (),
     peer: bool = False,
     draft_model: str | None = None,
@@ -138,7 +139,9 @@ def build_variants(
     lookup_min_matches: each head chain and EAGLE / EAGLE-3 / MTP tree also runs with
     `SpecConfig.lookup_min_match` at each of these (labels "METHOD γ=K, lookup ≥ n", "METHOD tree N (...),
     lookup ≥ n": the tree then has K more nodes, the lookup's chain merged in). token_map: every eagle / mtp
-    variant also runs drafting over this token map (SpecConfig.token_map; label suffix ", token map")."""
+    variant also runs drafting over this token map (SpecConfig.token_map; label suffix ", token map").
+    datastore: each EAGLE / EAGLE-3 / MTP tree also runs with this datastore's chain merged in, alone and
+    beside each lookup minimum (SpecConfig.datastore; label suffix ", datastore")."""
     heads = heads or {}
     variants = [Variant(label=BASELINE, method=BASELINE)]
     skipped: list[dict[str, str]] = []
@@ -185,6 +188,11 @@ def build_variants(
                         tree_size=size,
                     )
                 )
+            for match in [0, *lookup_min_matches] if datastore and name in LOOKUP_TREE_METHODS else ():
+                stored = dataclasses.replace(spec, lookup_min_match=match, datastore=datastore)
+                lookup = f", lookup ≥ {match}" if match else ""
+                label = f"{shape}{lookup}, datastore{suffix}"
+                variants.append(Variant(label, name, stored, draft_length=tree_depth, tree_size=size))
         if token_map is not None and name in TOKEN_MAP_METHODS:
             mine = [v for v in variants if v.method == name and v.spec is not None]
             variants.extend(

@@ -91,7 +91,9 @@ def median_call_time(step: Callable[[Any], Any], carry: Any, iters: int) -> floa
     return float(np.median(times))
 
 
-def step_loop(step: Callable[..., Any], iters: int) -> Callable[[Any, tuple, jax.Array], Any]:
+def step_loop(
+    step: Callable[..., Any], iters: int, num_params: int = 0
+) -> Callable[[Any, tuple, jax.Array], Any]:
     """jit((carry, inputs, zero) -> carry after `iters` steps `carry = step(carry, *inputs)` in one
     `lax.fori_loop`), carry donated; `zero` must be a runtime int32 0.
 
@@ -99,16 +101,20 @@ def step_loop(step: Callable[..., Any], iters: int) -> Callable[[Any, tuple, jax
     `leaf + zero * i` (i the loop counter): the same values, but XLA cannot prove them loop-invariant,
     so it cannot hoist work that does not depend on the carry (a drafter without state, the first
     layer's projections of fixed tokens) out of the loop. (An optimization barrier does not stop that on
-    XLA:CPU.) Float leaves (weights) stay invariant, as they are in the compiled generate loop.
+    XLA:CPU.) Float leaves (weights) stay invariant, as they are in the compiled generate loop, and so
+    does every leaf of the first `num_params` inputs (parameters: weights and integer tables alike, such
+    as a head's token maps or a datastore's 8 M keys, whose offsetting would itself cost a pass over
+    them in every step).
     """
 
     def run(carry, inputs, zero):
         def body(i, c):
             offset = zero * i
             fresh = jax.tree.map(
-                lambda x: x + offset.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x, inputs
+                lambda x: x + offset.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.integer) else x,
+                inputs[num_params:],
             )
-            return step(c, *fresh)
+            return step(c, *inputs[:num_params], *fresh)
 
         return jax.lax.fori_loop(0, iters, body, carry)
 
@@ -116,7 +122,13 @@ def step_loop(step: Callable[..., Any], iters: int) -> Callable[[Any, tuple, jax
 
 
 def median_loop_step_time(
-    step: Callable[..., Any], carry: Any, inputs: tuple = (), *, iters: int, repeats: int = 5
+    step: Callable[..., Any],
+    carry: Any,
+    inputs: tuple = (),
+    *,
+    iters: int,
+    repeats: int = 5,
+    num_params: int = 0,
 ) -> float:
     """Median seconds per step when `iters` steps `carry = step(carry, *inputs)` run inside one
     compiled `lax.fori_loop` (timed `repeats` times after a compiling run).
@@ -128,7 +140,7 @@ def median_loop_step_time(
     towards 1. `step_loop` keeps XLA from hoisting loop-invariant parts of a step out of the loop.
     """
 
-    loop = step_loop(step, iters)
+    loop = step_loop(step, iters, num_params)
     zero = jnp.zeros((), jnp.int32)
     carry = jax.block_until_ready(loop(carry, inputs, zero))
     times = []
@@ -264,6 +276,7 @@ def measure_step_costs(
         _decode(graphdef, params, fresh_prefill().cache, token, requests, attention=spec.attention),
         (params, token, requests),
         iters=iters,
+        num_params=1,
     )
     if not speculative:
         return StepCosts(prefill_s=prefill_s, decode_s=decode_s, verify_s=decode_s, draft_s=0.0,
@@ -276,6 +289,7 @@ def measure_step_costs(
         (jax.tree.map(jnp.copy, tree), state),  # the loop donates its carry; `tree` is verified below
         (draft_params, params, ctx),
         iters=iters,
+        num_params=2,
     )
     verify = functools.partial(
         _verify, graphdef, spec=spec, max_depth=drafter.max_depth, capture_layers=layers
@@ -285,6 +299,7 @@ def measure_step_costs(
         verify(params, fresh_prefill().cache, tree, requests),
         (params, tree, requests),
         iters=iters,
+        num_params=1,
     )
     return StepCosts(
         prefill_s=prefill_s, decode_s=decode_s, verify_s=verify_s, draft_s=draft_s, num_nodes=nodes,
@@ -346,6 +361,7 @@ def forward_step_times(
         (params, token, requests),
         iters=iters,
         repeats=repeats,
+        num_params=1,
     )
     spec = SpecConfig(attention=attention)
     verify_s = {}
@@ -357,5 +373,6 @@ def forward_step_times(
             (params, chain_tree(batch, n), requests),
             iters=iters,
             repeats=repeats,
+            num_params=1,
         )
     return {"decode_s": decode_s, "verify_s": verify_s, "v": {n: t / decode_s for n, t in verify_s.items()}}

@@ -55,6 +55,7 @@ def summarize_selection(
         "tree_size": variant.get("tree_size"),
         "lookup_min_match": (variant.get("spec") or {}).get("lookup_min_match", 0),
         "token_map": (variant.get("spec") or {}).get("token_map"),
+        "datastore": (variant.get("spec") or {}).get("datastore"),
         "repeats": len(repeats),
         "new_tokens": metrics.total_new_tokens(mine[repeats[0]]) if repeats else 0,
         "tokens_per_s": metrics.median(tps),

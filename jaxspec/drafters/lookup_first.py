@@ -9,6 +9,11 @@ a lookup continuation is accepted most often: on the dev prompts' greedy answers
 tokens occurred before accept 1.76 of 3 lookup drafts on average, against 0.75 for the EAGLE-3 head's
 chain over all rounds. Everywhere else the head drafts as before (`SpecConfig.lookup_min_match`).
 
+With a tree, the branch can also come from the datastore (`drafters.datastore`, the target's own
+answers as an n-gram table; `SpecConfig.datastore`): a row without a prompt-lookup match (or every row,
+when prompt lookup is off) gets the table's chain there instead, and with `separate` both chains are
+merged in (2K appended nodes). The draft parameters are then (the head's, the table).
+
 Lossless: which chain a row verifies depends only on its history, never on a sampled draft or the
 target; lookup drafts are deterministic, so their draft distribution is one-hot on the drafted token,
 and the head's drafts keep their own q (a tree's verification treats siblings as separate drafts, each
@@ -24,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxspec.drafters.datastore import datastore_chain
 from jaxspec.drafters.ngram import ngram_chain
 from jaxspec.drafters.protocol import Drafter, RoundContext
 from jaxspec.sampling.tree import DraftTree
@@ -34,12 +40,27 @@ class LookupFirstDrafter:
     """A head's drafter (`head`, depth K) with prompt lookup beside it: a row whose last n tokens,
     min_match <= n <= max_match, occurred earlier in its history drafts the continuation of the most
     recent occurrence of the longest such n-gram, up to K tokens: instead of the head's chain, or
-    (branch=True, a head tree of N nodes) merged into the tree in K more nodes (N + K; `append_branch`)."""
+    (branch=True, a head tree of N nodes) merged into the tree in K more nodes (N + K; `append_branch`).
+    min_match 0: no prompt lookup. datastore (branch only): rows without a lookup match take the
+    datastore's chain in those nodes; separate: the datastore's chain gets K nodes of its own (N + 2K)."""
 
     head: Drafter
     min_match: int
     max_match: int
     branch: bool = False
+    datastore: bool = False
+    separate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.datastore and not self.branch:
+            raise ValueError("LookupFirstDrafter: the datastore is a branch of a head's tree (branch=True)")
+        if not (self.min_match or self.datastore):
+            raise ValueError("LookupFirstDrafter: needs prompt lookup (min_match >= 1), a datastore, or both")
+        if self.separate and not (self.datastore and self.min_match):
+            raise ValueError("LookupFirstDrafter: separate needs both prompt lookup and a datastore")
+
+    def _head_params(self, draft_params):
+        return draft_params[0] if self.datastore else draft_params
 
     @property
     def capture_layers(self) -> tuple[int, ...]:
@@ -47,24 +68,34 @@ class LookupFirstDrafter:
 
     @property
     def num_nodes(self) -> int:
-        return self.head.num_nodes + (self.max_depth if self.branch else 0)
+        return self.head.num_nodes + (self.max_depth * (1 + self.separate) if self.branch else 0)
 
     @property
     def max_depth(self) -> int:
         return self.head.max_depth
 
     def init(self, draft_params, target_params, pre, requests, max_len: int) -> Any:
-        return self.head.init(draft_params, target_params, pre, requests, max_len)
+        return self.head.init(self._head_params(draft_params), target_params, pre, requests, max_len)
 
     def propose(self, draft_params, target_params, state, ctx: RoundContext) -> tuple[DraftTree, Any]:
         """The head's chain [B, K + 1] with the rows that have a lookup match replaced by the lookup's
         chain (q one-hot on its tokens); with branch=True the head's tree [B, N] and the lookup's chain
-        after it [B, N + K]."""
-        drafted, state = self.head.propose(draft_params, target_params, state, ctx)
+        after it [B, N + K] (the datastore's after that with `separate`: [B, N + 2K])."""
+        drafted, state = self.head.propose(self._head_params(draft_params), target_params, state, ctx)
+        if self.datastore:
+            stored = datastore_chain(draft_params[1], ctx.history, ctx.history_len, self.max_depth)
+            if not self.min_match:
+                return append_branch(drafted, *stored), state
         looked_up = ngram_chain(
             ctx.history, ctx.history_len, num_tokens=self.max_depth, ngram_min=self.min_match,
             ngram_max=self.max_match,
         )  # fmt: skip
+        if self.separate:
+            return append_branch(append_branch(drafted, looked_up.tokens, looked_up.valid), *stored), state
+        if self.datastore:
+            matched = looked_up.valid[:, 1:2]  # [B, 1]: prompt lookup found a continuation
+            tokens = jnp.where(matched, looked_up.tokens, stored[0])
+            return append_branch(drafted, tokens, jnp.where(matched, looked_up.valid, stored[1])), state
         if self.branch:
             return append_branch(drafted, looked_up.tokens, looked_up.valid), state
         use = looked_up.valid[:, 1]  # [B]: a match with at least one continuation token
@@ -86,7 +117,8 @@ class LookupFirstDrafter:
         return tree, state
 
     def update(self, draft_params, target_params, state, ctx, tree, result, features, active) -> Any:
-        return self.head.update(draft_params, target_params, state, ctx, tree, result, features, active)
+        head_params = self._head_params(draft_params)
+        return self.head.update(head_params, target_params, state, ctx, tree, result, features, active)
 
 
 def append_branch(tree: DraftTree, chain_tokens: jax.Array, chain_valid: jax.Array) -> DraftTree:

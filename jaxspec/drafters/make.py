@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from jaxspec.config import SpecConfig
+from jaxspec.drafters.datastore import load_table
 from jaxspec.drafters.draft_model import DraftModelDrafter, load_draft_model
 from jaxspec.drafters.heads import registry
+from jaxspec.drafters.heads.shipped import resolve_datastore
 from jaxspec.drafters.lookup_first import LookupFirstDrafter
 from jaxspec.drafters.ngram import NgramDrafter
 from jaxspec.drafters.protocol import Drafter
@@ -29,7 +31,7 @@ def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
         )  # fmt: skip
         return drafter, draft.params
     drafter, params = registry.make_head_drafter(model, spec)
-    if spec.lookup_min_match:
+    if spec.lookup_min_match or spec.datastore:
         branch = spec.topk > 1  # a dynamic tree (SpecConfig checked the method): the lookup is a branch
         if not branch and drafter.num_nodes != drafter.max_depth + 1:  # a Medusa tree from 'tree_preset'
             raise InputError(
@@ -38,5 +40,13 @@ def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
             )
         shortest = spec.lookup_min_match
         longest = max(shortest, spec.ngram_max)
-        drafter = LookupFirstDrafter(head=drafter, min_match=shortest, max_match=longest, branch=branch)
+        separate = bool(dict(spec.extra).get("datastore_separate", False))
+        drafter = LookupFirstDrafter(
+            head=drafter, min_match=shortest, max_match=longest, branch=branch,
+            datastore=spec.datastore is not None, separate=separate,
+        )  # fmt: skip
+        if spec.datastore is not None:
+            path = resolve_datastore(model.source, spec.datastore)
+            table = load_table(path, spec.datastore_max_match, model.config.vocab_size)
+            params = (params, table)
     return drafter, params

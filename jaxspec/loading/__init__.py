@@ -10,6 +10,8 @@
 - `Tokenizer.from_gguf(metadata)` / `Tokenizer.from_dir(path)`: tokenizer with chat template
   (rendered in a sandbox under `TemplateLimits`: time and size).
 - `resolve_model_path(name_or_path)`, `load_model_files(name_or_path)`: names like "smollm2-135m".
+- dataset.py: the distilled data set kept in the repository (the target's own answers as token shards),
+  written by `jaxspec train` and read by head training and the n-gram datastore drafter.
 
 Only `load` is imported eagerly (it imports jax when called); the other names import their module on
 first use (PEP 562), so `import jaxspec` and `jaxspec --help` stay free of jax.

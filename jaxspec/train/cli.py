@@ -8,7 +8,7 @@ train stage after a kill). Work files live in --workdir and are shared by all me
   magpie_s<seed>.jsonl  user turns sampled by the model (--prompt-source magpie; resumable), kept in
                     the data set's prompts/ folder instead when --dataset is given
 With --dataset DIR the distilled responses go to (and are read from) a repository data set
-(`jaxspec.train.dataset`: compact shards + manifest) instead of distill.jsonl, so they outlive the
+(`jaxspec.loading.dataset`: compact shards + manifest) instead of distill.jsonl, so they outlive the
 machine and grow run by run. The exported head goes to --output (`SpecConfig(method=..., head=OUTPUT)`).
 """
 
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
 
     dataset = None
     if args.dataset:
-        from jaxspec.train.dataset import DistilledDataset
+        from jaxspec.loading.dataset import DistilledDataset
 
         dataset = DistilledDataset.open_or_create(
             args.dataset, model=args.model, vocab_size=model.config.vocab_size

@@ -5,7 +5,7 @@ ids already written, so a kill loses only the answers in flight. A torn last lin
 cut off on resume.
 
 Row: {"id", "category", "prompt", "prompt_ids": [int], "response_ids": [int], "finish_reason"}.
-The output may instead be a run of the repository's distilled data set (`jaxspec.train.dataset`): same
+The output may instead be a run of the repository's distilled data set (`jaxspec.loading.dataset`): same
 rows, compact token shards, the same skip-what-is-done resume.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from jaxspec.config import SamplingParams
-from jaxspec.train.dataset import DatasetWriter
+from jaxspec.loading.dataset import DatasetWriter
 
 
 def read_jsonl_rows(path: str | Path, repair: bool = True) -> list[dict]:

@@ -17,6 +17,7 @@ from jaxspec.resources import configs_dir
 
 RANDOM_HEAD = "random"
 SHIPPED_TOKEN_MAP = "shipped"
+SHIPPED_DATASTORE = "shipped"
 TOKEN_MAP_FILE = "token_map.npy"
 
 
@@ -88,3 +89,19 @@ def resolve_head(source: str, method: str, head: str | None) -> str:
             f"or head={RANDOM_HEAD!r} for a seeded random head (accepts almost nothing)"
         )
     return shipped
+
+
+def resolve_datastore(source: str, datastore: str) -> str:
+    """SpecConfig.datastore as a directory: the path itself, or for "shipped" (SHIPPED_DATASTORE) the
+    model's distilled data set, configs/distilled/NAME. Raises InputError when none is shipped."""
+    if datastore != SHIPPED_DATASTORE:
+        return datastore
+    name_dir = shipped_model_dir(source)
+    path = configs_dir() / "distilled" / name_dir.name if name_dir is not None else None
+    if path is None or not (path / "manifest.json").is_file():
+        raise InputError(
+            f"SpecConfig(datastore={SHIPPED_DATASTORE!r}): no distilled data set is shipped for model "
+            f"{source!r} in {configs_dir() / 'distilled'}; pass datastore=DIR (a data set written by "
+            f"jaxspec train --stages distill)"
+        )
+    return str(path)
