@@ -44,6 +44,7 @@ def _spec_from_args(args: argparse.Namespace):
     return SpecConfig(
         method=args.spec, num_speculative_tokens=args.num_speculative_tokens, topk=args.topk, head=head,
         lookup_min_match=lookup, token_map=args.token_map, datastore=getattr(args, "datastore", None),
+        branch_tokens=getattr(args, "branch_tokens", None),
     )  # fmt: skip
 
 
@@ -83,6 +84,11 @@ def _add_generation_args(
         help="eagle / eagle3 / mtp trees (--topk > 1): merge the n-gram chain of this distilled data set "
         "(the target's own answers; 'shipped' = configs/distilled/MODEL) into the tree where prompt lookup "
         "finds nothing (SpecConfig.datastore)",
+    )  # fmt: skip
+    p.add_argument(
+        "--branch-tokens", type=int, metavar="L",
+        help="eagle / eagle3 / mtp trees with --lookup-min-match or --datastore: the merged chain's length "
+        "(default --num-speculative-tokens; SpecConfig.branch_tokens)",
     )  # fmt: skip
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
 
@@ -125,7 +131,8 @@ def _describe(spec) -> str:
     lookup = f", prompt lookup {where} (match >= {spec.lookup_min_match})" if spec.lookup_min_match else ""
     token_map = f", token map {spec.token_map}" if spec.token_map else ""
     datastore = f", datastore {spec.datastore}" if spec.datastore else ""
-    return f"{spec.method} {shape}{lookup}{token_map}{datastore}"
+    branch = f", branch of {spec.branch_tokens}" if spec.branch_tokens else ""
+    return f"{spec.method} {shape}{lookup}{token_map}{datastore}{branch}"
 
 
 class _Printer:

@@ -82,6 +82,11 @@ class SpecConfig:
         history and the fixed table. Built on the host when the drafter is made (~15 s for the shipped
         3 M tokens; cached per process).
     datastore_max_match: the longest n-gram the table holds (8; more context, more keys).
+    branch_tokens: with a dynamic tree, the length of the appended prompt-lookup / datastore chain
+        (and of the path a round can accept); None (default) = num_speculative_tokens. Those chains
+        cost no draft forward, so they may reach deeper than the head's tree: on the dev prompts a
+        chain of 10 beside a tree of 21 accepts more than a chain of 6 beside a tree of 25
+        (README, "Deeper lookup branches").
     token_map: eagle (EAGLE-1) and mtp, which draft through the target's LM head: a .npy file of
         target token ids (or "shipped": the model's shipped map, configs/heads/MODEL/token_map.npy) that
         the draft ranks and samples over, FR-Spec's frequency-ranked draft vocabulary (SGLang's
@@ -109,6 +114,7 @@ class SpecConfig:
     token_map: str | None = None
     datastore: str | None = None
     datastore_max_match: int = 8
+    branch_tokens: int | None = None
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     @classmethod
@@ -169,6 +175,17 @@ class SpecConfig:
             )
         if self.datastore_max_match < 1:
             raise ValueError(f"SpecConfig.datastore_max_match must be >= 1, got {self.datastore_max_match}")
+        if self.branch_tokens is not None and not (
+            dynamic_tree and (self.lookup_min_match or self.datastore is not None)
+        ):
+            raise ValueError(
+                f"SpecConfig.branch_tokens sets the length of the prompt-lookup / datastore chain merged "
+                f"into a head's dynamic tree: it needs lookup_min_match >= 1 or a datastore, and method "
+                f"one of {LOOKUP_TREE_METHODS} with topk > 1; got method {self.method!r}, topk {self.topk}, "
+                f"lookup_min_match {self.lookup_min_match}, datastore {self.datastore!r}"
+            )
+        if self.branch_tokens is not None and self.branch_tokens < 1:
+            raise ValueError(f"SpecConfig.branch_tokens must be >= 1 (or None), got {self.branch_tokens}")
         if self.lookup_min_match and not ((is_chain and self.method in HEAD_METHODS) or dynamic_tree):
             raise ValueError(
                 f"SpecConfig.lookup_min_match puts prompt lookup beside a head's draft: method must be one "

@@ -244,11 +244,13 @@ def test_lookup_branch_of_a_tree_keeps_the_target_distribution(small_vocab):
     assert excess <= 1.0, f"deviation {excess:.2f}x the bound"
 
 
-def test_datastore_branch_of_a_tree_keeps_the_target_distribution(small_vocab, tmp_path):
+@pytest.mark.parametrize("branch_tokens", [None, 4], ids=["chain-of-depth", "deeper-chain"])
+def test_datastore_branch_of_a_tree_keeps_the_target_distribution(small_vocab, tmp_path, branch_tokens):
     """`SpecConfig.datastore` with an EAGLE tree: the data set holds every token of the vocabulary in
     context, so each row verifies the head's tree with the datastore's chain merged in (deterministic
-    drafts: one-hot q, like the head's top-k children). Merging the chain from the head's first child
-    instead of the root fails (checked: 45 samples in zero cells)."""
+    drafts: one-hot q, like the head's top-k children); also with the chain twice the tree's depth
+    (`branch_tokens`). Merging the chain from the head's first child instead of the root fails
+    (checked: 45 samples in zero cells)."""
     from jaxspec.loading.dataset import DistilledDataset
 
     rng = np.random.default_rng(0)
@@ -261,8 +263,11 @@ def test_datastore_branch_of_a_tree_keeps_the_target_distribution(small_vocab, t
         ]
     )
     writer.finish()
-    spec = dataclasses.replace(SPECS["eagle"], topk=2, num_draft_tokens=3, datastore=str(tmp_path))
+    spec = dataclasses.replace(
+        SPECS["eagle"], topk=2, num_draft_tokens=3, datastore=str(tmp_path), branch_tokens=branch_tokens
+    )
     drafter, draft_params = make_drafter(small_vocab, spec)
     assert isinstance(drafter, LookupFirstDrafter) and drafter.datastore and not drafter.min_match
+    assert drafter.max_depth == (branch_tokens or spec.num_speculative_tokens)
     excess = deviation(small_vocab, drafter, draft_params)
     assert excess <= 1.0, f"deviation {excess:.2f}x the bound"

@@ -171,3 +171,50 @@ def test_lookup_first_refuses_a_medusa_tree_preset(tiny):
     spec = SpecConfig(method="medusa", head="random", lookup_min_match=2, extra=(("tree_preset", "tree_16"),))
     with pytest.raises(jaxspec.JaxspecError, match="lookup_min_match needs a head chain; this medusa spec"):
         make_drafter(tiny, spec)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_a_lookup_branch_deeper_than_the_heads_tree_decodes_what_autoregressive_decoding_does(tiny, method):
+    """SpecConfig.branch_tokens 8 beside a tree of depth 3: the repeating prompts' lookup chains are
+    accepted past depth 3 (paths of up to 8 drafts a round, which the head commits), and the output is
+    the autoregressive one."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [250, 1, 2, 3, 4, 5], [7, 7, 7, 7, 7, 7], list(range(30, 45))]
+    reference = [c.token_ids for c in jaxspec.generate(tiny, prompts, max_new_tokens=24)]
+    spec = dataclasses.replace(TREE, method=method, lookup_min_match=1, branch_tokens=8)
+    drafter, _ = make_drafter(tiny, spec)
+    assert (drafter.max_depth, drafter.num_nodes) == (8, drafter.head.num_nodes + 8)
+    deeper = jaxspec.generate(tiny, prompts, max_new_tokens=24, spec=spec)
+    assert [c.token_ids for c in deeper] == reference
+    by_depth = np.sum([c.stats["accepted_by_depth"] for c in deeper], axis=0)
+    assert len(by_depth) == 8 and by_depth[3:].sum() > 0, by_depth
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "eagle", "lookup_min_match": 2, "branch_tokens": 8},  # a chain
+        {"method": "eagle", "topk": 2, "num_draft_tokens": 4, "branch_tokens": 8},  # no lookup, no datastore
+    ],
+)
+def test_branch_tokens_needs_a_lookup_or_datastore_branch_of_a_dynamic_tree(spec):
+    with pytest.raises(ValueError, match="SpecConfig.branch_tokens sets the length of the prompt-lookup"):
+        SpecConfig.from_dict(spec)
+
+
+def test_the_bench_runs_each_lookup_and_datastore_tree_at_each_branch_length():
+    from jaxspec.bench.runner import build_variants
+
+    variants, _ = build_variants(
+        [("eagle3", ())], tree_sizes=[19], tree_topk=8, tree_depth=6, lookup_min_matches=[2],
+        datastore="shipped", branch_tokens=[6, 12], heads={"eagle3": "HEAD"},
+    )  # fmt: skip
+    got = {v.label: v.spec.branch_tokens for v in variants if v.spec is not None}
+    shape = "eagle3 tree 19 (top-8, depth 6)"
+    assert got == {
+        shape: None,
+        **{
+            f"{shape}{what}, branch {n}": n
+            for what in (", lookup ≥ 2", ", datastore", ", lookup ≥ 2, datastore")
+            for n in (6, 12)
+        },
+    }

@@ -57,6 +57,11 @@ def _add_common(p: argparse.ArgumentParser, *, methods: str, lengths: str, batch
         "in, alone and beside each --lookup-min-match (SpecConfig.datastore; 'shipped' = "
         "configs/distilled/MODEL)",
     )  # fmt: skip
+    p.add_argument(
+        "--branch-tokens", type=_ints, default=[], metavar="L,...",
+        help="run each lookup / datastore tree variant with its merged chain at each of these lengths "
+        "(SpecConfig.branch_tokens; label suffix ', branch L'); default: the tree's depth",
+    )  # fmt: skip
     p.add_argument("--tree-topk", type=int, default=4, help="children per node for tree variants")
     p.add_argument("--tree-depth", type=int, default=4, help="draft depth for tree variants")
     p.add_argument(
@@ -180,6 +185,7 @@ def _benchmark(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
         methods, tree_sizes=args.tree_sizes, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
         draft_num_layers=None if args.draft_model else args.draft_num_layers, acceptance=args.acceptance,
         lookup_min_matches=args.lookup_min_match, token_map=args.token_map, datastore=args.datastore,
+        branch_tokens=args.branch_tokens,
         peer_lookup_tokens=lookup, peer=use_peer, draft_model=args.draft_model,
         heads=_default_heads(args.model, args.heads),
     )  # fmt: skip

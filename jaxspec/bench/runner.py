@@ -126,6 +126,7 @@ def build_variants(
     lookup_min_matches: Sequence[int] = (),
     token_map: str | None = None,
     datastore: str | None = None,
+    branch_tokens: Sequence[int] = (),
     peer_lookup_tokens: Sequence[int] = (),
     peer: bool = False,
     draft_model: str | None = None,
@@ -141,7 +142,9 @@ def build_variants(
     lookup ≥ n": the tree then has K more nodes, the lookup's chain merged in). token_map: every eagle / mtp
     variant also runs drafting over this token map (SpecConfig.token_map; label suffix ", token map").
     datastore: each EAGLE / EAGLE-3 / MTP tree also runs with this datastore's chain merged in, alone and
-    beside each lookup minimum (SpecConfig.datastore; label suffix ", datastore")."""
+    beside each lookup minimum (SpecConfig.datastore; label suffix ", datastore"). branch_tokens: those
+    lookup / datastore tree variants run with their merged chain at each of these lengths instead of
+    the tree's depth (SpecConfig.branch_tokens; label suffix ", branch L")."""
     heads = heads or {}
     variants = [Variant(label=BASELINE, method=BASELINE)]
     skipped: list[dict[str, str]] = []
@@ -177,22 +180,24 @@ def build_variants(
                 acceptance=acceptance, **extra,
             )  # fmt: skip
             variants.append(Variant(label, name, spec, draft_length=tree_depth, tree_size=size))
-            for match in lookup_min_matches if name in LOOKUP_TREE_METHODS else ():
-                hybrid = dataclasses.replace(spec, lookup_min_match=match)
-                variants.append(
-                    Variant(
-                        f"{shape}, lookup ≥ {match}{suffix}",
-                        name,
-                        hybrid,
-                        draft_length=tree_depth,
-                        tree_size=size,
+            hybrids = [
+                (f", lookup ≥ {match}", dataclasses.replace(spec, lookup_min_match=match))
+                for match in (lookup_min_matches if name in LOOKUP_TREE_METHODS else ())
+            ]
+            for match in [0, *lookup_min_matches] if datastore and name in LOOKUP_TREE_METHODS else ():
+                lookup = f", lookup ≥ {match}" if match else ""
+                hybrids.append(
+                    (
+                        f"{lookup}, datastore",
+                        dataclasses.replace(spec, lookup_min_match=match, datastore=datastore),
                     )
                 )
-            for match in [0, *lookup_min_matches] if datastore and name in LOOKUP_TREE_METHODS else ():
-                stored = dataclasses.replace(spec, lookup_min_match=match, datastore=datastore)
-                lookup = f", lookup ≥ {match}" if match else ""
-                label = f"{shape}{lookup}, datastore{suffix}"
-                variants.append(Variant(label, name, stored, draft_length=tree_depth, tree_size=size))
+            for what, hybrid in hybrids:
+                for length in branch_tokens or [None]:
+                    longer = dataclasses.replace(hybrid, branch_tokens=length)
+                    branch = f", branch {length}" if length else ""
+                    label = f"{shape}{what}{branch}{suffix}"
+                    variants.append(Variant(label, name, longer, draft_length=tree_depth, tree_size=size))
         if token_map is not None and name in TOKEN_MAP_METHODS:
             mine = [v for v in variants if v.method == name and v.spec is not None]
             variants.extend(

@@ -56,6 +56,7 @@ def summarize_selection(
         "lookup_min_match": (variant.get("spec") or {}).get("lookup_min_match", 0),
         "token_map": (variant.get("spec") or {}).get("token_map"),
         "datastore": (variant.get("spec") or {}).get("datastore"),
+        "branch_tokens": (variant.get("spec") or {}).get("branch_tokens"),
         "repeats": len(repeats),
         "new_tokens": metrics.total_new_tokens(mine[repeats[0]]) if repeats else 0,
         "tokens_per_s": metrics.median(tps),

@@ -14,6 +14,10 @@ answers as an n-gram table; `SpecConfig.datastore`): a row without a prompt-look
 when prompt lookup is off) gets the table's chain there instead, and with `separate` both chains are
 merged in (2K appended nodes). The draft parameters are then (the head's, the table).
 
+A tree's appended chains may be longer than the head's depth (`branch_tokens` L > K: they cost no draft
+forward, and a long match is often right for many tokens); a round can then accept up to L drafts, and
+the head is built to commit that many (`make_drafter`).
+
 Lossless: which chain a row verifies depends only on its history, never on a sampled draft or the
 target; lookup drafts are deterministic, so their draft distribution is one-hot on the drafted token,
 and the head's drafts keep their own q (a tree's verification treats siblings as separate drafts, each
@@ -42,7 +46,9 @@ class LookupFirstDrafter:
     recent occurrence of the longest such n-gram, up to K tokens: instead of the head's chain, or
     (branch=True, a head tree of N nodes) merged into the tree in K more nodes (N + K; `append_branch`).
     min_match 0: no prompt lookup. datastore (branch only): rows without a lookup match take the
-    datastore's chain in those nodes; separate: the datastore's chain gets K nodes of its own (N + 2K)."""
+    datastore's chain in those nodes; separate: the datastore's chain gets K nodes of its own (N + 2K).
+    branch_tokens (branch only): the appended chains' length L instead of K (N + L or N + 2L nodes,
+    depth max(K, L)); the head must then commit up to L + 1 tokens a round."""
 
     head: Drafter
     min_match: int
@@ -50,8 +56,11 @@ class LookupFirstDrafter:
     branch: bool = False
     datastore: bool = False
     separate: bool = False
+    branch_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.branch_tokens is not None and not self.branch:
+            raise ValueError("LookupFirstDrafter: branch_tokens is the length of a tree's appended chains")
         if self.datastore and not self.branch:
             raise ValueError("LookupFirstDrafter: the datastore is a branch of a head's tree (branch=True)")
         if not (self.min_match or self.datastore):
@@ -67,12 +76,17 @@ class LookupFirstDrafter:
         return self.head.capture_layers
 
     @property
+    def chain_tokens(self) -> int:
+        """Drafts in the lookup / datastore chain: the head's depth, or branch_tokens."""
+        return self.branch_tokens or self.head.max_depth
+
+    @property
     def num_nodes(self) -> int:
-        return self.head.num_nodes + (self.max_depth * (1 + self.separate) if self.branch else 0)
+        return self.head.num_nodes + (self.chain_tokens * (1 + self.separate) if self.branch else 0)
 
     @property
     def max_depth(self) -> int:
-        return self.head.max_depth
+        return max(self.head.max_depth, self.chain_tokens)
 
     def init(self, draft_params, target_params, pre, requests, max_len: int) -> Any:
         return self.head.init(self._head_params(draft_params), target_params, pre, requests, max_len)
@@ -80,14 +94,14 @@ class LookupFirstDrafter:
     def propose(self, draft_params, target_params, state, ctx: RoundContext) -> tuple[DraftTree, Any]:
         """The head's chain [B, K + 1] with the rows that have a lookup match replaced by the lookup's
         chain (q one-hot on its tokens); with branch=True the head's tree [B, N] and the lookup's chain
-        after it [B, N + K] (the datastore's after that with `separate`: [B, N + 2K])."""
+        after it [B, N + L] (the datastore's after that with `separate`: [B, N + 2L]; L = chain_tokens)."""
         drafted, state = self.head.propose(self._head_params(draft_params), target_params, state, ctx)
         if self.datastore:
-            stored = datastore_chain(draft_params[1], ctx.history, ctx.history_len, self.max_depth)
+            stored = datastore_chain(draft_params[1], ctx.history, ctx.history_len, self.chain_tokens)
             if not self.min_match:
                 return append_branch(drafted, *stored), state
         looked_up = ngram_chain(
-            ctx.history, ctx.history_len, num_tokens=self.max_depth, ngram_min=self.min_match,
+            ctx.history, ctx.history_len, num_tokens=self.chain_tokens, ngram_min=self.min_match,
             ngram_max=self.max_match,
         )  # fmt: skip
         if self.separate:

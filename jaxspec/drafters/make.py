@@ -3,12 +3,14 @@ drafter protocol is in `jaxspec.drafters.protocol` (and the package docstring)."
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxspec.config import SpecConfig
 from jaxspec.drafters.datastore import load_table
 from jaxspec.drafters.draft_model import DraftModelDrafter, load_draft_model
 from jaxspec.drafters.heads import registry
+from jaxspec.drafters.heads.eagle.drafter import EagleDrafter
 from jaxspec.drafters.heads.shipped import resolve_datastore
 from jaxspec.drafters.lookup_first import LookupFirstDrafter
 from jaxspec.drafters.ngram import NgramDrafter
@@ -41,9 +43,11 @@ def make_drafter(model, spec: SpecConfig) -> tuple[Drafter, Any]:
         shortest = spec.lookup_min_match
         longest = max(shortest, spec.ngram_max)
         separate = bool(dict(spec.extra).get("datastore_separate", False))
+        if isinstance(drafter, EagleDrafter) and (spec.branch_tokens or 0) > drafter.depth:
+            drafter = dataclasses.replace(drafter, max_accept=spec.branch_tokens)  # commits the longer paths
         drafter = LookupFirstDrafter(
             head=drafter, min_match=shortest, max_match=longest, branch=branch,
-            datastore=spec.datastore is not None, separate=separate,
+            datastore=spec.datastore is not None, separate=separate, branch_tokens=spec.branch_tokens,
         )  # fmt: skip
         if spec.datastore is not None:
             path = resolve_datastore(model.source, spec.datastore)

@@ -76,6 +76,14 @@ class EagleDrafter(ChainOrDynamicTreeShape):
     logits_hook: Any = None
     capture_layers: tuple[int, ...] = ()
     token_map: bool = False  # EAGLE-1: draft over draft_params["token_map"] (SpecConfig.token_map)
+    # the most drafts a round can accept, when a deeper chain is merged into the tree
+    # (`LookupFirstDrafter.branch_tokens`); None = depth
+    max_accept: int | None = None
+
+    @property
+    def commit_size(self) -> int:
+        """Tokens a round can commit: the accepted drafts + the bonus token."""
+        return max(self.depth, self.max_accept or 0) + 1
 
     def _modules(self, draft_params, target_params):
         head = nnx.merge(self.head_graphdef, draft_params["head"])
@@ -121,13 +129,13 @@ class EagleDrafter(ChainOrDynamicTreeShape):
         _, k, v = head(
             head.embed(following, target.embed), head.project_target_features(raw), positions, inputs
         )
-        shape = (k.shape[0], batch, layer.num_kv_heads, max_len + self.depth + 1, layer.head_dim)
+        shape = (k.shape[0], batch, layer.num_kv_heads, max_len + self.commit_size, layer.head_dim)
         zeros = jnp.zeros(shape, dtype)
         start = jnp.zeros((batch,), jnp.int32)
         cache = HeadCache(keys=_write_layers(zeros, k, start), values=_write_layers(zeros, v, start))
         last = jnp.take_along_axis(raw, (lengths - 1)[:, None, None], axis=1)  # [B, 1, F]
-        pending = jnp.zeros((batch, self.depth + 1, raw.shape[-1]), raw.dtype).at[:, :1].set(last)
-        pending_tokens = jnp.zeros((batch, self.depth + 1), jnp.int32).at[:, 0].set(pre.first_token)
+        pending = jnp.zeros((batch, self.commit_size, raw.shape[-1]), raw.dtype).at[:, :1].set(last)
+        pending_tokens = jnp.zeros((batch, self.commit_size), jnp.int32).at[:, 0].set(pre.first_token)
         return EagleState(
             cache=cache,
             length=(lengths - 1).astype(jnp.int32),
@@ -240,7 +248,7 @@ class EagleDrafter(ChainOrDynamicTreeShape):
 
     def update(self, draft_params, target_params, state: EagleState, ctx, tree, result, features, active):
         num_accepted = jnp.where(active, result.num_accepted, 0)
-        size = self.depth + 1
+        size = self.commit_size
         raw = self.target_features(features["hidden"], features["captured"])
         return dataclasses.replace(
             state,
