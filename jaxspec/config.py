@@ -85,7 +85,7 @@ class SpecConfig:
     branch_tokens: with a dynamic tree, the length of the appended prompt-lookup / datastore chain
         (and of the path a round can accept); None (default) = num_speculative_tokens. Those chains
         cost no draft forward, so they may reach deeper than the head's tree: on the dev prompts a
-        chain of 10 beside a tree of 21 accepts more than a chain of 6 beside a tree of 25
+        chain of 10 beside a tree of 22 accepts more than a chain of 6 beside a tree of 26 (both 32 nodes)
         (README, "Deeper lookup branches").
     token_map: eagle (EAGLE-1) and mtp, which draft through the target's LM head: a .npy file of
         target token ids (or "shipped": the model's shipped map, configs/heads/MODEL/token_map.npy) that
