@@ -180,24 +180,17 @@ def build_variants(
                 acceptance=acceptance, **extra,
             )  # fmt: skip
             variants.append(Variant(label, name, spec, draft_length=tree_depth, tree_size=size))
-            hybrids = [
-                (f", lookup ≥ {match}", dataclasses.replace(spec, lookup_min_match=match))
-                for match in (lookup_min_matches if name in LOOKUP_TREE_METHODS else ())
-            ]
-            for match in [0, *lookup_min_matches] if datastore and name in LOOKUP_TREE_METHODS else ():
-                lookup = f", lookup ≥ {match}" if match else ""
-                hybrids.append(
-                    (
-                        f"{lookup}, datastore",
-                        dataclasses.replace(spec, lookup_min_match=match, datastore=datastore),
-                    )
-                )
-            for what, hybrid in hybrids:
+            merged = [(match, None) for match in lookup_min_matches]  # (lookup minimum, datastore)
+            merged += [(match, datastore) for match in [0, *lookup_min_matches]] if datastore else []
+            for match, store in merged if name in LOOKUP_TREE_METHODS else ():
                 for length in branch_tokens or [None]:
-                    longer = dataclasses.replace(hybrid, branch_tokens=length)
-                    branch = f", branch {length}" if length else ""
-                    label = f"{shape}{what}{branch}{suffix}"
-                    variants.append(Variant(label, name, longer, draft_length=tree_depth, tree_size=size))
+                    hybrid = dataclasses.replace(
+                        spec, lookup_min_match=match, datastore=store, branch_tokens=length
+                    )  # fmt: skip
+                    what = (f", lookup ≥ {match}" if match else "") + (", datastore" if store else "")
+                    what += f", branch {length}" if length else ""
+                    label = f"{shape}{what}{suffix}"
+                    variants.append(Variant(label, name, hybrid, draft_length=tree_depth, tree_size=size))
         if token_map is not None and name in TOKEN_MAP_METHODS:
             mine = [v for v in variants if v.method == name and v.spec is not None]
             variants.extend(
