@@ -201,3 +201,25 @@ def test_the_repository_data_set_reads_back_whole_as_its_manifest_says():
         total += run["records"]
     assert len(ids) == total
     assert sum(run["response_tokens"] for run in dataset.manifest["runs"]) >= 2_000_000
+
+
+def test_select_runs_reads_the_named_runs_and_names_a_bad_selection(tmp_path):
+    """`select_runs` parses indices and inclusive ranges, `rows(runs)` yields those runs' rows only, and
+    a malformed part or a run the manifest lacks is a DatasetError naming the data set and the part."""
+    data = DistilledDataset.open_or_create(tmp_path, model="tiny", vocab_size=300)
+    runs = [make_rows(3, vocab=300, seed=i) for i in range(4)]
+    for i, part in enumerate(runs):
+        for row in part:
+            row["id"] = f"r{i}_{row['id']}"
+        writer = data.writer(prompt_source="test", seed=i)
+        writer.append(part)
+        writer.finish()
+    assert data.select_runs("1-2") == (1, 2)
+    assert data.select_runs("3, 0,1-1") == (0, 1, 3)
+    assert list(data.rows(data.select_runs("0,2-3"))) == runs[0] + runs[2] + runs[3]
+    assert list(data.rows()) == sum(runs, [])
+    for spec, message in (("2-5", "'2-5' is outside runs 0-3"), ("a", "'a' is not a run index"),
+                          ("3-1", "'3-1' is outside"), ("", "'' is not a run index")):  # fmt: skip
+        with pytest.raises(DatasetError, match=message) as error:
+            data.select_runs(spec)
+        assert str(tmp_path) in str(error.value)

@@ -536,6 +536,47 @@ def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
     assert FeatureStore.open(tmp_path / "work" / "features").num_sequences == 8
 
 
+def test_dataset_runs_train_on_some_runs_with_the_whole_sets_draft_vocabulary(tiny, rows, tmp_path, capsys):
+    """`--dataset-runs` trains on the selected runs only, reading their sequences from a feature store of
+    the whole data set, while EAGLE-3's draft vocabulary is selected from every run; a range outside the
+    manifest and a store without the selected runs' features are refused before training."""
+    import json
+
+    from jaxspec.cli import main
+    from jaxspec.loading.dataset import DistilledDataset
+    from jaxspec.train.head_setup import draft_vocabulary
+
+    data = DistilledDataset.open_or_create(tmp_path / "data", model="tiny", vocab_size=VOCAB)
+    for seed, part in enumerate((rows[:20], rows[20:])):
+        writer = data.writer(prompt_source="test", seed=seed, sampling="greedy")
+        writer.append(part)
+        writer.finish()
+
+    def cli(workdir: str, stages: str, *extra: str) -> int:
+        return main([
+            "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(tmp_path / workdir),
+            "--dataset", str(tmp_path / "data"), "--stages", stages, "--max-len", "32", "--feature-batch",
+            "8", "--steps", "2", "--batch-size", "4", "--depth", "1", "--draft-vocab", "64",
+            "--save-dtype", "float32", "--no-progress", *extra,
+        ])  # fmt: skip
+
+    assert cli("work", "features") == 0  # features of both runs
+    assert cli("work", "train,export", "--dataset-runs", "1") == 0
+    info = json.loads((tmp_path / "work" / "head_eagle3" / "training.json").read_text())
+    assert (info["sequences"], info["train_sequences"], info["dataset_runs"]) == (12, 12, "1")
+    whole, run1 = draft_vocabulary(rows, VOCAB, 64), draft_vocabulary(rows[20:], VOCAB, 64)
+    assert not np.array_equal(whole, run1)  # the check below can tell them apart
+    np.testing.assert_array_equal(np.load(tmp_path / "work" / "run_eagle3" / "draft_vocab.npy"), whole)
+
+    capsys.readouterr()
+    assert cli("bad", "train,export", "--dataset-runs", "1-2") == 2
+    assert "'1-2' is outside runs 0-1" in capsys.readouterr().err
+    assert cli("part", "features", "--dataset-runs", "0") == 0
+    assert cli("part", "train,export", "--dataset-runs", "0,1") == 2
+    assert "lacks the features of 12 of the 32 sequences" in capsys.readouterr().err
+    assert not (tmp_path / "part" / "head_eagle3").exists()
+
+
 def test_validation_split_holds_out_non_templated_sequences():
     from jaxspec.train.trainer import validation_split
 

@@ -26,7 +26,7 @@ import os
 import struct
 import subprocess
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,10 +207,33 @@ class DistilledDataset:
             )
         return scan.rows[: run["records"]]
 
-    def rows(self) -> Iterator[dict[str, Any]]:
-        """Every committed row, shard by shard in run order."""
-        for run in self.manifest["runs"]:
-            yield from self._committed(run)
+    def rows(self, runs: Collection[int] | None = None) -> Iterator[dict[str, Any]]:
+        """Every committed row, shard by shard in run order; only those of run indices `runs` when given
+        (`select_runs`)."""
+        for index, run in enumerate(self.manifest["runs"]):
+            if runs is None or index in runs:
+                yield from self._committed(run)
+
+    def select_runs(self, spec: str) -> tuple[int, ...]:
+        """Run indices (= shard numbers: run 9 is 00009.jsd) named by `spec`, a comma-separated list of
+        indices and inclusive ranges such as "9-14" or "0,3,11-14"; a DatasetError names a malformed
+        part or a run the manifest does not have."""
+        count = len(self.manifest["runs"])
+        chosen: set[int] = set()
+        for part in (p.strip() for p in spec.split(",")):
+            low, _, high = part.partition("-")
+            try:
+                first, last = int(low), int(high if high else low)
+            except ValueError:
+                raise DatasetError(
+                    f"{self.path}: runs {spec!r}: {part!r} is not a run index or a range like 9-14"
+                ) from None
+            if not 0 <= first <= last < count:
+                raise DatasetError(
+                    f"{self.path}: runs {spec!r}: {part!r} is outside runs 0-{count - 1} of its manifest"
+                )
+            chosen.update(range(first, last + 1))
+        return tuple(sorted(chosen))
 
     def num_records(self) -> int:
         return sum(run["records"] for run in self.manifest["runs"])

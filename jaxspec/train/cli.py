@@ -61,6 +61,12 @@ def add_parser(subparsers) -> None:
         help="distilled data set directory (e.g. configs/distilled/smollm2-135m): the distill stage "
         "appends a run to it, the later stages train on all of it (instead of WORKDIR/distill.jsonl)",
     )  # fmt: skip
+    p.add_argument(
+        "--dataset-runs", metavar="RUNS",
+        help="features and training on these runs of --dataset only: run indices (= shard numbers) and "
+        "ranges, e.g. 9-14 or 0,3,11-14; EAGLE-3's draft vocabulary is still selected from every run, and "
+        "a feature store holding more runs serves (training reads the selected runs' sequences from it)",
+    )  # fmt: skip
     p.add_argument("--exclude", help="JSONL whose prompts must not be trained on (e.g. a dev set)")
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument(
@@ -245,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
               f"jaxspec train: --head-layers {args.head_layers}: a head needs at least one decoder layer",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.dataset_runs and not args.dataset:
+        print("jaxspec train: --dataset-runs selects runs of a --dataset; give --dataset", file=sys.stderr)
+        return 2
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     output = Path(args.output or workdir / f"head_{args.method}")
@@ -317,6 +326,16 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print(f"jaxspec train: no distilled data in {source} (run the distill stage)", file=sys.stderr)
         return 2
+    vocab_rows = rows  # EAGLE-3's draft vocabulary comes from the whole data set
+    if args.dataset_runs:
+        from jaxspec.errors import DatasetError
+
+        try:
+            selected_runs = dataset.select_runs(args.dataset_runs)
+        except DatasetError as error:
+            print(f"jaxspec train: --dataset-runs: {error}", file=sys.stderr)
+            return 2
+        rows = list(dataset.rows(selected_runs))
 
     from jaxspec.drafters.heads.configs import default_eagle3_layers
     from jaxspec.train.features import FeatureStore, write_features
@@ -403,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
                 draft_ids = saved
             else:  # the same ids on every process; one writes them
                 size = args.draft_vocab or DEFAULT_DRAFT_VOCAB
-                draft_ids = draft_vocabulary(rows, model.config.vocab_size, size)
+                draft_ids = draft_vocabulary(vocab_rows, model.config.vocab_size, size)
             if start_head is not None and not keeps_head_vocab:  # --draft-vocab re-selects the head's
                 if draft_ids.shape[0] != min(args.draft_vocab, model.config.vocab_size):
                     print(f"jaxspec train: {vocab_file} holds a draft vocabulary of {draft_ids.shape[0]}, "
@@ -437,12 +456,24 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         online = args.feature_mode == "online" or args.backbone_weight > 0
         source = OnlineSource(rows, args.max_len) if online else FeatureStore.open(store_path)
+        ids = [r["id"] for r in rows] if online else list(source.meta["ids"])[: source.num_sequences]
+        if args.dataset_runs and not online:  # the store may hold more runs than the selected ones
+            from jaxspec.train.trainer import SubsetSource
+
+            wanted = {r["id"] for r in rows}
+            missing = len(wanted - set(ids))
+            if missing:
+                print(f"jaxspec train: {store_path} lacks the features of {missing} of the {len(wanted)} "
+                      f"sequences of --dataset-runs {args.dataset_runs} (run --stages features with it)",
+                      file=sys.stderr)  # fmt: skip
+                return 2
+            keep = tuple(i for i, sequence in enumerate(ids) if sequence in wanted)
+            source, ids = SubsetSource(source, keep), [ids[i] for i in keep]
         validation = None
         if args.val_fraction > 0:
             from jaxspec.train.trainer import SubsetSource, validation_split
 
             category = {r["id"]: r.get("category", "") for r in rows}
-            ids = [r["id"] for r in rows] if online else list(source.meta["ids"])[: source.num_sequences]
             train_idx, val_idx = validation_split(ids, [category.get(i, "") for i in ids], args.val_fraction)
             source, validation = SubsetSource(source, tuple(train_idx)), SubsetSource(source, tuple(val_idx))
             print(f"validation: {len(val_idx)} held-out sequences, {len(train_idx)} for training")
@@ -469,7 +500,8 @@ def run(args: argparse.Namespace) -> int:
 
         info = {
             "target": args.model, "command": "jaxspec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-            "steps": result.step, "sequences": len(rows), "train_sequences": source.num_sequences,
+            "steps": result.step, "sequences": len(rows), "dataset_runs": args.dataset_runs,
+            "train_sequences": source.num_sequences,
             "val_sequences": validation.num_sequences if validation is not None else 0, **timings,
             "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
             "mesh": args.mesh or "1x1", "throughput": result.throughput,
