@@ -538,8 +538,9 @@ def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
 
 def test_dataset_runs_train_on_some_runs_with_the_whole_sets_draft_vocabulary(tiny, rows, tmp_path, capsys):
     """`--dataset-runs` trains on the selected runs only, reading their sequences from a feature store of
-    the whole data set, while EAGLE-3's draft vocabulary is selected from every run; a range outside the
-    manifest and a store without the selected runs' features are refused before training."""
+    the whole data set, while EAGLE-3's draft vocabulary is selected from every run (from the runs of
+    `--draft-vocab-runs` when given); a range outside the manifest and a store without the selected runs'
+    features are refused before training."""
     import json
 
     from jaxspec.cli import main
@@ -567,8 +568,17 @@ def test_dataset_runs_train_on_some_runs_with_the_whole_sets_draft_vocabulary(ti
     whole, run1 = draft_vocabulary(rows, VOCAB, 64), draft_vocabulary(rows[20:], VOCAB, 64)
     assert not np.array_equal(whole, run1)  # the check below can tell them apart
     np.testing.assert_array_equal(np.load(tmp_path / "work" / "run_eagle3" / "draft_vocab.npy"), whole)
+    # --draft-vocab-runs pins the vocabulary to some runs (a recipe that outlives the data set's growth).
+    (tmp_path / "voc").mkdir()
+    (tmp_path / "voc" / "features").symlink_to(tmp_path / "work" / "features")
+    assert cli("voc", "train,export", "--dataset-runs", "1", "--draft-vocab-runs", "1") == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "voc" / "run_eagle3" / "draft_vocab.npy"), run1)
+    info = json.loads((tmp_path / "voc" / "head_eagle3" / "training.json").read_text())
+    assert info["draft_vocab_runs"] == "1"
 
     capsys.readouterr()
+    assert cli("bad", "train,export", "--draft-vocab-runs", "0-5") == 2
+    assert "--draft-vocab-runs" in (err := capsys.readouterr().err) and "'0-5' is outside runs 0-1" in err
     assert cli("bad", "train,export", "--dataset-runs", "1-2") == 2
     assert "'1-2' is outside runs 0-1" in capsys.readouterr().err
     assert cli("part", "features", "--dataset-runs", "0") == 0

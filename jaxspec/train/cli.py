@@ -64,8 +64,14 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--dataset-runs", metavar="RUNS",
         help="features and training on these runs of --dataset only: run indices (= shard numbers) and "
-        "ranges, e.g. 9-14 or 0,3,11-14; EAGLE-3's draft vocabulary is still selected from every run, and "
-        "a feature store holding more runs serves (training reads the selected runs' sequences from it)",
+        "ranges, e.g. 9-14 or 0,3,11-14; EAGLE-3's draft vocabulary is still selected from every run (see "
+        "--draft-vocab-runs), and a feature store holding more runs serves (training reads the selected "
+        "runs' sequences from it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-vocab-runs", metavar="RUNS",
+        help="EAGLE-3: select the draft vocabulary from these runs of --dataset only (the --dataset-runs "
+        "syntax; default every run), so that a head's recipe keeps its vocabulary as the data set grows",
     )  # fmt: skip
     p.add_argument("--exclude", help="JSONL whose prompts must not be trained on (e.g. a dev set)")
     p.add_argument("--num-prompts", type=int, default=512)
@@ -251,8 +257,13 @@ def run(args: argparse.Namespace) -> int:
               f"jaxspec train: --head-layers {args.head_layers}: a head needs at least one decoder layer",
               file=sys.stderr)  # fmt: skip
         return 2
-    if args.dataset_runs and not args.dataset:
-        print("jaxspec train: --dataset-runs selects runs of a --dataset; give --dataset", file=sys.stderr)
+    for flag, value in (("--dataset-runs", args.dataset_runs), ("--draft-vocab-runs", args.draft_vocab_runs)):
+        if value and not args.dataset:
+            print(f"jaxspec train: {flag} selects runs of a --dataset; give --dataset", file=sys.stderr)
+            return 2
+    if args.draft_vocab_runs and args.method != "eagle3":
+        print(f"jaxspec train: --draft-vocab-runs: only EAGLE-3 heads have a draft vocabulary, not "
+              f"{args.method}", file=sys.stderr)  # fmt: skip
         return 2
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -336,6 +347,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"jaxspec train: --dataset-runs: {error}", file=sys.stderr)
             return 2
         rows = list(dataset.rows(selected_runs))
+    if args.draft_vocab_runs:
+        from jaxspec.errors import DatasetError
+
+        try:
+            vocab_rows = list(dataset.rows(dataset.select_runs(args.draft_vocab_runs)))
+        except DatasetError as error:
+            print(f"jaxspec train: --draft-vocab-runs: {error}", file=sys.stderr)
+            return 2
 
     from jaxspec.drafters.heads.configs import default_eagle3_layers
     from jaxspec.train.features import FeatureStore, write_features
@@ -501,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
         info = {
             "target": args.model, "command": "jaxspec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "steps": result.step, "sequences": len(rows), "dataset_runs": args.dataset_runs,
+            "draft_vocab_runs": args.draft_vocab_runs,
             "train_sequences": source.num_sequences,
             "val_sequences": validation.num_sequences if validation is not None else 0, **timings,
             "final_depth_acc": result.metrics[-1]["depth_acc"] if result.metrics else None,
