@@ -337,24 +337,20 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print(f"jaxspec train: no distilled data in {source} (run the distill stage)", file=sys.stderr)
         return 2
-    vocab_rows = rows  # EAGLE-3's draft vocabulary comes from the whole data set
-    if args.dataset_runs:
-        from jaxspec.errors import DatasetError
+    # Training reads the --dataset-runs rows; EAGLE-3's draft vocabulary, the --draft-vocab-runs rows;
+    # each the whole data set when its flag is absent.
+    selected = {}
+    for flag, spec in (("--dataset-runs", args.dataset_runs), ("--draft-vocab-runs", args.draft_vocab_runs)):
+        if spec:
+            from jaxspec.errors import DatasetError
 
-        try:
-            selected_runs = dataset.select_runs(args.dataset_runs)
-        except DatasetError as error:
-            print(f"jaxspec train: --dataset-runs: {error}", file=sys.stderr)
-            return 2
-        rows = list(dataset.rows(selected_runs))
-    if args.draft_vocab_runs:
-        from jaxspec.errors import DatasetError
-
-        try:
-            vocab_rows = list(dataset.rows(dataset.select_runs(args.draft_vocab_runs)))
-        except DatasetError as error:
-            print(f"jaxspec train: --draft-vocab-runs: {error}", file=sys.stderr)
-            return 2
+            try:
+                selected[flag] = list(dataset.rows(dataset.select_runs(spec)))
+            except DatasetError as error:
+                print(f"jaxspec train: {flag}: {error}", file=sys.stderr)
+                return 2
+    vocab_rows = selected.get("--draft-vocab-runs", rows)
+    rows = selected.get("--dataset-runs", rows)
 
     from jaxspec.drafters.heads.configs import default_eagle3_layers
     from jaxspec.train.features import FeatureStore, write_features
