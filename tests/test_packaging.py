@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxspec.resources import configs_dir
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +78,9 @@ def test_installed_package_finds_configs_from_any_folder(installed, tmp_path):
     assert lines[2] == str(installed / "jaxspec" / "configs" / "heads" / "smollm2-135m" / "eagle3")
     assert lines[3] == "17"
     prompts = installed / "jaxspec" / "configs" / "prompts"
-    assert lines[4:] == [str(prompts / "passages_en.jsonl"), "173", "520"]
+    counts = [sum(1 for line in (configs_dir() / "prompts" / name).open() if line.strip())
+              for name in ("passages_en.jsonl", "questions_en.jsonl")]  # fmt: skip
+    assert lines[4:] == [str(prompts / "passages_en.jsonl"), *map(str, counts)]  # every line shipped
 
 
 def test_installed_cli_generates_with_the_shipped_head_from_an_empty_folder(installed, tmp_path):

@@ -1,0 +1,96 @@
+"""Mean accepted length (τ) of draft heads on a prompt set, batched greedy, without timing.
+
+    python scripts/head_tau.py --prompts ../shared/prompts_dev.jsonl \
+        --heads shipped=configs/heads/smollm2-135m/eagle3 new=../runs/h33/head_eagle3 [--datastore shipped]
+
+The quick check between training runs: greedy rows are independent, so a batch of prompts gives the τ
+that `jaxspec bench` measures one prompt at a time (the same SpecConfigs: a chain of 3, the tree of 22
+(top-8, depth 6) and that tree with the prompt-lookup (≥ 2) / datastore chain of 10 merged into it),
+in a few minutes instead of a quarter of an hour. Every variant's tokens are checked against
+autoregressive decoding; a row that differs is reported (and the exit status is 1). Prints τ per prompt
+category and overall, and writes them as JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+
+def variants(head: str, datastore: str | None, lookup_min_match: int, branch_tokens: int) -> dict:
+    """Label -> SpecConfig: the shipped EAGLE-3 head's chain and tree shapes (README, "Shipped draft
+    heads")."""
+    from jaxspec import SpecConfig
+
+    chain = SpecConfig(method="eagle3", head=head, num_speculative_tokens=3)
+    tree = SpecConfig(method="eagle3", head=head, num_speculative_tokens=6, topk=8, num_draft_tokens=22)
+    merged = dataclasses.replace(
+        tree, lookup_min_match=lookup_min_match, datastore=datastore, branch_tokens=branch_tokens
+    )
+    return {"chain 3": chain, "tree 22": tree, f"tree 22 + lookup/datastore {branch_tokens}": merged}
+
+
+def tau_by_category(completions, categories: list[str]) -> dict[str, float]:
+    """τ = Σ(new_tokens − 1) / Σ rounds (`jaxspec.bench.metrics`), per category and "all"."""
+    from jaxspec.bench.metrics import mean_accepted_length
+
+    groups: dict[str, list[dict]] = collections.defaultdict(list)
+    for c, category in zip(completions, categories, strict=True):
+        groups[category].append(c.stats)
+        groups["all"].append(c.stats)
+    return {k: round(mean_accepted_length(v), 4) for k, v in sorted(groups.items())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", required=True, help="JSONL {id, prompt}; category = id up to its last _")
+    parser.add_argument("--heads", nargs="+", required=True, help="NAME=HEAD_DIR (EAGLE-3 heads)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8, help="prompts per generate call")
+    parser.add_argument("--datastore", default="shipped", help="DIR, 'shipped' or 'none'")
+    parser.add_argument("--lookup-min-match", type=int, default=2)
+    parser.add_argument("--branch-tokens", type=int, default=10)
+    parser.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = parser.parse_args(argv)
+
+    import jaxspec
+    from jaxspec.bench.runner import read_prompts
+
+    model = jaxspec.load(args.model)
+    prompts = read_prompts(args.prompts, model, chat=True)
+    token_lists = [list(t) for t in prompts.token_ids]
+    n = len(token_lists)
+    batches = [range(i, min(i + args.batch, n)) for i in range(0, n, args.batch)]
+
+    def run(spec) -> list:
+        out = []
+        for rows in batches:
+            out += jaxspec.generate(model, [token_lists[i] for i in rows], args.max_new_tokens, spec=spec)
+        return out
+
+    reference = [c.token_ids for c in run(None)]
+    datastore = None if args.datastore == "none" else args.datastore
+    results, differ = {}, 0
+    for name, head in (h.split("=", 1) for h in args.heads):
+        for label, spec in variants(head, datastore, args.lookup_min_match, args.branch_tokens).items():
+            completions = run(spec)
+            wrong = [prompts.ids[i] for i, c in enumerate(completions) if c.token_ids != reference[i]]
+            differ += len(wrong)
+            taus = tau_by_category(completions, list(prompts.categories))
+            results[f"{name}: {label}"] = {"tau": taus, "identical": len(completions) - len(wrong)}
+            cells = " ".join(f"{k} {v:.3f}" for k, v in taus.items())
+            print(f"{name}: {label}: {cells}; identical {len(completions) - len(wrong)}/{len(completions)}"
+                  + (f" (differ: {', '.join(wrong)})" if wrong else ""), flush=True)  # fmt: skip
+    if args.out:
+        settings = vars(args) | {"out": str(args.out)}
+        args.out.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
