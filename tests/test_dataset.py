@@ -116,6 +116,26 @@ def test_appending_after_a_kill_loses_nothing(tmp_path):
     assert list(DistilledDataset.open(tmp_path / "ds").rows()) == rows
 
 
+def test_two_writers_at_once_lose_nothing(tmp_path):
+    """Two generation runs into one data set at the same time (two processes, each with its own copy of
+    the manifest): every append and both runs are committed, whatever the interleaving."""
+    first, second = make_rows(12), make_rows(9, start=12)
+    DistilledDataset.open_or_create(tmp_path / "ds", model="m", vocab_size=49152)
+    a = DistilledDataset.open(tmp_path / "ds").writer(prompt_source="magpie", seed=0)
+    b = DistilledDataset.open(tmp_path / "ds").writer(prompt_source="file", seed=1)
+    assert (a.run["shard"], b.run["shard"]) == ("00000.jsd", "00001.jsd")
+    a.append(first[:5])
+    b.append(second[:4])
+    a.append(first[5:])
+    b.append(second[4:])
+    a.finish()
+    b.finish()
+    data = DistilledDataset.open(tmp_path / "ds")
+    assert [(r["records"], r["complete"]) for r in data.manifest["runs"]] == [(12, True), (9, True)]
+    assert list(data.rows()) == first + second
+    assert (tmp_path / "ds" / ".write.lock").exists()  # the lock the commits took
+
+
 def test_corrupt_or_truncated_shard_names_file_and_record(tmp_path):
     rows = make_rows(6)
     data = DistilledDataset.open_or_create(tmp_path / "ds", model="m", vocab_size=49152)

@@ -16,10 +16,16 @@ bytes were never committed) and a reader ignores it; complete records past the c
 the fsync and the manifest) are kept and committed. A corrupt or missing committed record is a
 DatasetError naming the shard and the record. Each run appends its own shard, so the files of earlier
 runs never change and the set grows in git one shard at a time.
+
+Several writers (processes distilling different runs into one data set) may run at once: every change
+of the manifest (a new run, an append, a finished run) takes an exclusive lock on `.write.lock` in the
+directory, re-reads the manifest from disk and changes only its own run, so no writer's records or runs
+are lost to another's stale copy (POSIX `flock`; elsewhere no lock, one writer at a time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -34,8 +40,14 @@ import numpy as np
 
 from jaxspec.errors import DatasetError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (one writer at a time)
+    fcntl = None
+
 FORMAT = 1
 MANIFEST = "manifest.json"
+LOCK = ".write.lock"
 MAGIC = b"JD"
 _FRAME = struct.Struct("<2sII")  # magic, payload bytes, crc32
 
@@ -122,6 +134,20 @@ def _write_json_atomic(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold the data set's exclusive write lock (blocking; released on exit, also when killed)."""
+    if fcntl is None:
+        yield
+        return
+    with open(directory / LOCK, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 def current_commit(ignore: Path | None = None, checkout: Path | None = None) -> str:
     """The commit of `checkout` (default: jaxspec's own), with "+dirty" when it has changes outside
     `ignore` (a data set being written lives in the checkout, and its own new shards are no code change);
@@ -162,6 +188,14 @@ class DistilledDataset:
     @classmethod
     def open(cls, path: str | Path) -> DistilledDataset:
         path = Path(path)
+        return cls(path, cls._read_manifest(path))
+
+    def reload(self) -> None:
+        """Re-read the manifest from disk (another writer may have changed it)."""
+        self.manifest = self._read_manifest(self.path)
+
+    @staticmethod
+    def _read_manifest(path: Path) -> dict[str, Any]:
         file = path / MANIFEST
         if not file.exists():
             raise DatasetError(f"{path}: not a distilled data set (no {MANIFEST})")
@@ -175,7 +209,7 @@ class DistilledDataset:
             or not isinstance(manifest.get("runs"), list)
         ):
             raise DatasetError(f"{file}: unsupported manifest (want format {FORMAT} with a runs list)")
-        return cls(path, manifest)
+        return manifest
 
     @classmethod
     def open_or_create(cls, path: str | Path, *, model: str, vocab_size: int) -> DistilledDataset:
@@ -243,23 +277,28 @@ class DistilledDataset:
 
     def begin_run(self, **info: Any) -> DatasetWriter:
         """Start appending a new run (its own shard) described by `info` (prompt_source, seed, ...)."""
-        name = f"{len(self.manifest['runs']):05d}.jsd"
-        run = {"shard": name, "records": 0, "prompt_tokens": 0, "response_tokens": 0,
-               "commit": current_commit(ignore=self.path), "complete": False, **info}  # fmt: skip
-        self.manifest["runs"].append(run)
-        _write_json_atomic(self.path / MANIFEST, self.manifest)
-        return DatasetWriter(self, len(self.manifest["runs"]) - 1)
+        commit = current_commit(ignore=self.path)
+        with _locked(self.path):
+            self.reload()
+            name = f"{len(self.manifest['runs']):05d}.jsd"
+            run = {"shard": name, "records": 0, "prompt_tokens": 0, "response_tokens": 0,
+                   "commit": commit, "complete": False, **info}  # fmt: skip
+            self.manifest["runs"].append(run)
+            _write_json_atomic(self.path / MANIFEST, self.manifest)
+            return DatasetWriter(self, len(self.manifest["runs"]) - 1)
 
     def resume_run(self, index: int = -1) -> DatasetWriter:
         """Continue appending to run `index` (default the last), after repairing a killed writer's tail."""
-        index = index % len(self.manifest["runs"])
-        writer = DatasetWriter(self, index)
-        writer.repair()
+        with _locked(self.path):
+            self.reload()
+            writer = DatasetWriter(self, index % len(self.manifest["runs"]))
+            writer.repair()
         return writer
 
     def writer(self, **info: Any) -> DatasetWriter:
         """The writer for a generation run described by `info`: the last run when it has the same `info`
         (a rerun, e.g. after a kill: its shard goes on), else a new run with its own shard."""
+        self.reload()
         runs = self.manifest["runs"]
         if runs and all(runs[-1].get(k) == v for k, v in info.items()):
             return self.resume_run(-1)
@@ -282,7 +321,8 @@ class DatasetWriter:
         return self.dataset.path / self.run["shard"]
 
     def repair(self) -> None:
-        """Cut a torn tail (never committed) and commit complete records past the manifest's count."""
+        """Cut a torn tail (never committed) and commit complete records past the manifest's count.
+        Call with the lock held (`DistilledDataset.resume_run`)."""
         scan = scan_shard(self.shard)
         if len(scan.rows) < self.run["records"]:
             self.dataset._committed(self.run)  # raises, naming the missing record
@@ -296,18 +336,23 @@ class DatasetWriter:
 
     def append(self, rows: Sequence[dict[str, Any]]) -> None:
         payload = b"".join(encode_record(row, self.dataset.dtype) for row in rows)
-        with open(self.shard, "ab") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        self._commit(rows)
+        with _locked(self.dataset.path):
+            with open(self.shard, "ab") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            self.dataset.reload()
+            self._commit(rows)
 
     def finish(self) -> None:
         """Mark the run complete (all its prompts distilled)."""
-        self.run["complete"] = True
-        _write_json_atomic(self.dataset.path / MANIFEST, self.dataset.manifest)
+        with _locked(self.dataset.path):
+            self.dataset.reload()
+            self.run["complete"] = True
+            _write_json_atomic(self.dataset.path / MANIFEST, self.dataset.manifest)
 
     def _commit(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Count `rows` into this run and write the manifest (the commit point); lock held."""
         run = self.run
         run["records"] += len(rows)
         run["prompt_tokens"] += sum(len(r["prompt_ids"]) for r in rows)
