@@ -280,29 +280,40 @@ class DistilledDataset:
         commit = current_commit(ignore=self.path)
         with _locked(self.path):
             self.reload()
-            name = f"{len(self.manifest['runs']):05d}.jsd"
-            run = {"shard": name, "records": 0, "prompt_tokens": 0, "response_tokens": 0,
-                   "commit": commit, "complete": False, **info}  # fmt: skip
-            self.manifest["runs"].append(run)
-            _write_json_atomic(self.path / MANIFEST, self.manifest)
-            return DatasetWriter(self, len(self.manifest["runs"]) - 1)
+            return self._begin_run(commit, info)
 
     def resume_run(self, index: int = -1) -> DatasetWriter:
         """Continue appending to run `index` (default the last), after repairing a killed writer's tail."""
         with _locked(self.path):
             self.reload()
-            writer = DatasetWriter(self, index % len(self.manifest["runs"]))
-            writer.repair()
-        return writer
+            return self._resume_run(index)
 
     def writer(self, **info: Any) -> DatasetWriter:
         """The writer for a generation run described by `info`: the last run when it has the same `info`
-        (a rerun, e.g. after a kill: its shard goes on), else a new run with its own shard."""
-        self.reload()
-        runs = self.manifest["runs"]
-        if runs and all(runs[-1].get(k) == v for k, v in info.items()):
-            return self.resume_run(-1)
-        return self.begin_run(**info)
+        (a rerun, e.g. after a kill: its shard goes on), else a new run with its own shard. The choice
+        and the new run's manifest entry are made under one hold of the lock."""
+        commit = current_commit(ignore=self.path)
+        with _locked(self.path):
+            self.reload()
+            runs = self.manifest["runs"]
+            if runs and all(runs[-1].get(k) == v for k, v in info.items()):
+                return self._resume_run(-1)
+            return self._begin_run(commit, info)
+
+    def _begin_run(self, commit: str, info: dict[str, Any]) -> DatasetWriter:
+        """begin_run with the lock held and the manifest fresh."""
+        name = f"{len(self.manifest['runs']):05d}.jsd"
+        run = {"shard": name, "records": 0, "prompt_tokens": 0, "response_tokens": 0,
+               "commit": commit, "complete": False, **info}  # fmt: skip
+        self.manifest["runs"].append(run)
+        _write_json_atomic(self.path / MANIFEST, self.manifest)
+        return DatasetWriter(self, len(self.manifest["runs"]) - 1)
+
+    def _resume_run(self, index: int) -> DatasetWriter:
+        """resume_run with the lock held and the manifest fresh."""
+        writer = DatasetWriter(self, index % len(self.manifest["runs"]))
+        writer.repair()
+        return writer
 
 
 @dataclasses.dataclass
