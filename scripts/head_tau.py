@@ -15,23 +15,26 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 
 def variants(head: str, datastore: str | None, lookup_min_match: int, branch_tokens: int) -> dict:
-    """Label -> SpecConfig: the shipped EAGLE-3 head's chain and tree shapes (README, "Shipped draft
-    heads")."""
-    from jaxspec import SpecConfig
+    """Label -> SpecConfig, built by the bench (`jaxspec.bench.runner.build_variants`) for the shipped
+    EAGLE-3 shapes (README, "Shipped draft heads"): the chain of 3, the tree of 22 (top-8, depth 6), and
+    that tree with the lookup-else-datastore chain merged in (the bench's variants with only one of the
+    two are left out)."""
+    from jaxspec.bench.runner import build_variants
 
-    chain = SpecConfig(method="eagle3", head=head, num_speculative_tokens=3)
-    tree = SpecConfig(method="eagle3", head=head, num_speculative_tokens=6, topk=8, num_draft_tokens=22)
-    merged = dataclasses.replace(
-        tree, lookup_min_match=lookup_min_match, datastore=datastore, branch_tokens=branch_tokens
-    )
-    return {"chain 3": chain, "tree 22": tree, f"tree 22 + lookup/datastore {branch_tokens}": merged}
+    built, _ = build_variants(
+        [("eagle3", (3,))], tree_sizes=(22,), tree_topk=8, tree_depth=6,
+        lookup_min_matches=(lookup_min_match,), datastore=datastore, branch_tokens=(branch_tokens,),
+        heads={"eagle3": head},
+    )  # fmt: skip
+    specs = {v.label: v.spec for v in built if v.spec is not None}
+    # neither lookup nor datastore, or both
+    return {k: s for k, s in specs.items() if (s.lookup_min_match == 0) == (s.datastore is None)}
 
 
 def tau_by_category(completions, categories: list[str]) -> dict[str, float]:
