@@ -78,7 +78,7 @@ def test_installed_package_finds_configs_from_any_folder(installed, tmp_path):
     assert lines[2] == str(installed / "jaxspec" / "configs" / "heads" / "smollm2-135m" / "eagle3")
     assert lines[3] == "17"
     prompts = installed / "jaxspec" / "configs" / "prompts"
-    counts = [sum(1 for line in (configs_dir() / "prompts" / name).open() if line.strip())
+    counts = [sum(1 for line in (configs_dir() / "prompts" / name).read_text().splitlines() if line.strip())
               for name in ("passages_en.jsonl", "questions_en.jsonl")]  # fmt: skip
     assert lines[4:] == [str(prompts / "passages_en.jsonl"), *map(str, counts)]  # every line shipped
 
