@@ -2,6 +2,8 @@
 
     python scripts/head_tau.py --prompts ../shared/prompts_dev.jsonl \
         --heads shipped=configs/heads/smollm2-135m/eagle3 new=../runs/h33/head_eagle3 [--datastore shipped]
+    python scripts/head_tau.py --method eagle --prompts ../shared/prompts_dev.jsonl \
+        --heads shipped=configs/heads/smollm2-135m/eagle new=../runs/h36/head_eagle
 
 The quick check between training runs: greedy rows are independent, so a batch of prompts gives the τ
 that `jaxspec bench` measures one prompt at a time (the same SpecConfigs: a chain of 3, the tree of 22
@@ -20,17 +22,20 @@ import sys
 from pathlib import Path
 
 
-def variants(head: str, datastore: str | None, lookup_min_match: int, branch_tokens: int) -> dict:
+def variants(
+    method: str, head: str, datastore: str | None, lookup_min_match: int, branch_tokens: int
+) -> dict:
     """Label -> SpecConfig, built by the bench (`jaxspec.bench.runner.build_variants`) for the shipped
-    EAGLE-3 shapes (README, "Shipped draft heads"): the chain of 3, the tree of 22 (top-8, depth 6), and
-    that tree with the lookup-else-datastore chain merged in (the bench's variants with only one of the
-    two are left out)."""
+    EAGLE-3 shapes (README, "Shipped draft heads") with `method`'s head: the chain of 3, the tree of 22
+    (top-8, depth 6), and that tree with the lookup-else-datastore chain merged in (the bench's variants
+    with only one of the two are left out; a method that drafts chains only, or merges no chain into its
+    tree, has fewer)."""
     from jaxspec.bench.runner import build_variants
 
     built, _ = build_variants(
-        [("eagle3", (3,))], tree_sizes=(22,), tree_topk=8, tree_depth=6,
+        [(method, (3,))], tree_sizes=(22,), tree_topk=8, tree_depth=6,
         lookup_min_matches=(lookup_min_match,), datastore=datastore, branch_tokens=(branch_tokens,),
-        heads={"eagle3": head},
+        heads={method: head},
     )  # fmt: skip
     specs = {v.label: v.spec for v in built if v.spec is not None}
     # neither lookup nor datastore, or both
@@ -51,7 +56,8 @@ def tau_by_category(completions, categories: list[str]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", required=True, help="JSONL {id, prompt}; category = id up to its last _")
-    parser.add_argument("--heads", nargs="+", required=True, help="NAME=HEAD_DIR (EAGLE-3 heads)")
+    parser.add_argument("--heads", nargs="+", required=True, help="NAME=HEAD_DIR (heads of --method)")
+    parser.add_argument("--method", default="eagle3", choices=("eagle3", "eagle", "mtp", "medusa"))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8, help="prompts per generate call")
@@ -80,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     datastore = None if args.datastore == "none" else args.datastore
     results, differ = {}, 0
     for name, head in (h.split("=", 1) for h in args.heads):
-        for label, spec in variants(head, datastore, args.lookup_min_match, args.branch_tokens).items():
+        for label, spec in variants(
+            args.method, head, datastore, args.lookup_min_match, args.branch_tokens
+        ).items():
             completions = run(spec)
             wrong = [prompts.ids[i] for i, c in enumerate(completions) if c.token_ids != reference[i]]
             differ += len(wrong)
