@@ -513,12 +513,12 @@ def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
                for i in range(8)]  # fmt: skip
     append_jsonl_rows(tmp_path / "prompts.jsonl", prompts)
 
-    def cli(num_prompts: int, stages: str) -> int:
+    def cli(num_prompts: int, stages: str, *extra: str) -> int:
         return main([
             "train", "--method", "eagle3", "--model", str(tiny), "--workdir", str(tmp_path / "work"),
             "--dataset", str(tmp_path / "ds"), "--prompts", str(tmp_path / "prompts.jsonl"),
             "--num-prompts", str(num_prompts), "--stages", stages, "--max-new-tokens", "6",
-            "--gen-batch", "4", "--max-len", "16", "--feature-batch", "4", "--no-progress",
+            "--gen-batch", "4", "--max-len", "16", "--feature-batch", "4", "--no-progress", *extra,
         ])  # fmt: skip
 
     assert cli(6, "distill") == 0
@@ -534,6 +534,15 @@ def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):
     assert list(data.rows())[:6] == rows
     assert not (tmp_path / "work" / "distill.jsonl").exists()
     assert FeatureStore.open(tmp_path / "work" / "features").num_sequences == 8
+    # The file grows; a new run (another seed) counts --num-prompts among the prompts no other run
+    # answered, so it takes the new ones instead of skipping the first two, answered already.
+    more = [{"id": f"p{i}", "prompt": f"prompt {i}", "prompt_ids": rng.integers(1, VOCAB, 5).tolist()}
+            for i in range(8, 11)]  # fmt: skip
+    append_jsonl_rows(tmp_path / "prompts.jsonl", more)
+    assert cli(2, "distill", "--seed", "1") == 0
+    data = DistilledDataset.open(tmp_path / "ds")
+    assert len(data.manifest["runs"]) == 2 and data.manifest["runs"][1]["complete"]
+    assert sorted(r["id"] for r in data.rows([1])) == ["p8", "p9"]
 
 
 def test_dataset_runs_train_on_some_runs_with_the_whole_sets_draft_vocabulary(tiny, rows, tmp_path, capsys):

@@ -345,6 +345,11 @@ class DatasetWriter:
         if extra:
             self._commit(extra)
 
+    def ids_of_other_runs(self) -> set[str]:
+        """Ids that the data set's runs other than this one hold (as committed when this is called)."""
+        others = [i for i in range(len(self.dataset.manifest["runs"])) if i != self.index]
+        return {row["id"] for row in self.dataset.rows(others)}
+
     def append(self, rows: Sequence[dict[str, Any]]) -> None:
         payload = b"".join(encode_record(row, self.dataset.dtype) for row in rows)
         with _locked(self.dataset.path):

@@ -74,7 +74,11 @@ def add_parser(subparsers) -> None:
         "syntax; default every run), so that a head's recipe keeps its vocabulary as the data set grows",
     )  # fmt: skip
     p.add_argument("--exclude", help="JSONL whose prompts must not be trained on (e.g. a dev set)")
-    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument(
+        "--num-prompts", type=int, default=512,
+        help="templated / passages: distill at most this many prompts (with --dataset: of those that no "
+        "other run of the data set answered)",
+    )  # fmt: skip
     p.add_argument(
         "--derived-prompts", type=int, default=0,
         help="after the first round, distill up to N prompts built from its answers (passages, code)",
@@ -172,7 +176,7 @@ def _prompt_rows(args: argparse.Namespace) -> list[dict]:
         rows = [r for r in load_prompt_rows(args.prompts) if not index.contains(r["prompt"])]
     else:
         rows = training_prompts(exclude=exclude, seed=args.seed)
-    return rows[: args.num_prompts]
+    return rows
 
 
 def _passage_rows(args: argparse.Namespace) -> list[dict]:
@@ -181,7 +185,23 @@ def _passage_rows(args: argparse.Namespace) -> list[dict]:
 
     passages = load_passages(args.passages or default_passage_file())
     exclude = load_prompt_texts(args.exclude) if args.exclude else []
-    return passage_prompts(passages, exclude=exclude, seed=args.seed)[: args.num_prompts]
+    return passage_prompts(passages, exclude=exclude, seed=args.seed)
+
+
+def _capped(prompts: list[dict], limit: int, writer) -> list[dict]:
+    """The first `limit` prompts that no other run of the data set answered (`writer`: this run's
+    DatasetWriter; None for a JSONL output, where the first `limit` of all). Counting only the prompts new
+    to the data set lets a grown prompt file be distilled with the same --num-prompts; counting this run's
+    own answers keeps a resumed run to the prompts it began with."""
+    if writer is None:
+        return prompts[:limit]
+    answered = writer.ids_of_other_runs()
+    fresh = [p for p in prompts if p["id"] not in answered]
+    taken, answered_here = min(limit, len(fresh)), len(prompts) - len(fresh)
+    print(f"jaxspec train: distill: {taken} prompts for this run ({answered_here} "
+          f"of the {len(prompts)} already answered in other runs of {writer.dataset.path}, "
+          f"{max(0, len(fresh) - limit)} beyond --num-prompts {limit})", file=sys.stderr)  # fmt: skip
+    return fresh[:limit]
 
 
 def _num_positions(args: argparse.Namespace) -> int:
@@ -320,6 +340,8 @@ def run(args: argparse.Namespace) -> int:
             )  # fmt: skip
         if args.prompt_source == "magpie":
             prompts = _magpie_rows(args, model, dataset.path / "prompts" if dataset is not None else workdir)
+        else:
+            prompts = _capped(prompts, args.num_prompts, sink if dataset is not None else None)
         distilled = distill(
             model, prompts, sink, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
             seed=args.seed, progress=progress,
