@@ -272,8 +272,9 @@ class DistilledDataset:
     def num_records(self) -> int:
         return sum(run["records"] for run in self.manifest["runs"])
 
-    def ids(self) -> set[str]:
-        return {row["id"] for row in self.rows()}
+    def ids(self, runs: Collection[int] | None = None) -> set[str]:
+        """Ids of every committed row; only those of run indices `runs` when given (as `rows`)."""
+        return {row["id"] for row in self.rows(runs)}
 
     def begin_run(self, **info: Any) -> DatasetWriter:
         """Start appending a new run (its own shard) described by `info` (prompt_source, seed, ...)."""
@@ -348,7 +349,7 @@ class DatasetWriter:
     def ids_of_other_runs(self) -> set[str]:
         """Ids that the data set's runs other than this one hold (as committed when this is called)."""
         others = [i for i in range(len(self.dataset.manifest["runs"])) if i != self.index]
-        return {row["id"] for row in self.dataset.rows(others)}
+        return self.dataset.ids(others)
 
     def append(self, rows: Sequence[dict[str, Any]]) -> None:
         payload = b"".join(encode_record(row, self.dataset.dtype) for row in rows)
