@@ -225,23 +225,31 @@ def test_online_features_give_the_offline_loss(tiny_model, rows, store, tmp_path
     np.testing.assert_allclose(offline.metrics[-1]["loss"], online.metrics[-1]["loss"], rtol=1e-4)
 
 
+def _eagle3_loss_inputs(tiny_model, store, depth: int, draft_ids: np.ndarray):
+    """An EAGLE-3 head of `depth` TTT steps over `draft_ids` on the tiny target: (config, head, trainable,
+    fixed, batch of the store's first 8 sequences), what `Objective` needs."""
+    import jax.numpy as jnp
+
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.trainer import split_trainable
+
+    config = head_config_for(
+        "eagle3", tiny_model.config, depth=depth, draft_vocab_size=len(draft_ids), eagle3_layers=(0, 1, 1)
+    )
+    head = new_head(config, seed=0, draft_ids=draft_ids)
+    trainable, head_fixed = split_trainable(head.params)
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+    return config, head, trainable, fixed, batch
+
+
 def test_eagle3_loss_at_sampled_positions_estimates_the_all_position_loss(tiny_model, store):
     """EAGLE-3's loss at num_positions sampled pairs per row: the mean over keys is the all-pairs loss
     (rows of equal length, so each sampled pair is uniform over the same count), and a sample of every
     pair is the all-pairs loss exactly."""
-    import jax.numpy as jnp
-
-    from jaxspec.train.head_setup import head_config_for, new_head
     from jaxspec.train.losses import Objective
-    from jaxspec.train.trainer import split_trainable
 
-    config = head_config_for(
-        "eagle3", tiny_model.config, depth=2, draft_vocab_size=128, eagle3_layers=(0, 1, 1)
-    )
-    head = new_head(config, seed=0, draft_ids=np.arange(0, 256, 2))
-    trainable, head_fixed = split_trainable(head.params)
-    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
-    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+    config, head, trainable, fixed, batch = _eagle3_loss_inputs(tiny_model, store, 2, np.arange(0, 256, 2))
     assert (
         len(set(np.asarray(batch["lengths"]).tolist())) == 1
         and len(set(np.asarray(batch["starts"]).tolist())) == 1
@@ -456,21 +464,13 @@ def test_eagle3_position_mask_drops_exactly_the_targets_outside_the_draft_vocabu
     a counted position it changes it; the stored argmax and the LM-head fallback give the same loss."""
     import jax.numpy as jnp
 
-    from jaxspec.train.head_setup import head_config_for, new_head
     from jaxspec.train.losses import Objective
-    from jaxspec.train.trainer import split_trainable
 
-    config = head_config_for(
-        "eagle3", tiny_model.config, depth=1, draft_vocab_size=64, eagle3_layers=(0, 1, 1)
-    )
     draft_ids = np.arange(0, 256, 4)
-    head = new_head(config, seed=0, draft_ids=draft_ids)
-    trainable, head_fixed = split_trainable(head.params)
-    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    config, head, trainable, fixed, batch = _eagle3_loss_inputs(tiny_model, store, 1, draft_ids)
     objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=1,
                           num_positions=64)  # fmt: skip
     loss = jax.jit(lambda batch: objective({"head": trainable}, fixed, batch, jax.random.key(0))[0])
-    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
     assert "argmax" in batch
     np.testing.assert_array_equal(  # the stored argmax is the target's own
         np.asarray(batch["argmax"][0, :24]),
@@ -500,6 +500,38 @@ def test_eagle3_position_mask_drops_exactly_the_targets_outside_the_draft_vocabu
 
     np.testing.assert_allclose(float(loss(perturbed(outside))), base, rtol=1e-6)
     assert abs(float(loss(perturbed(inside[:5]))) - base) > 1e-4
+
+
+def test_eagle3_argmax_weight_mixes_the_soft_loss_with_ce_to_the_targets_argmax(tiny_model, store):
+    """argmax_weight = w: each TTT step's loss is (1 - w) x the soft CE + w x the CE to the target's argmax
+    over the draft vocabulary. At w = 1 it is the soft loss against a one-hot target: the w = 0 loss of the
+    same batch with the target's hidden states scaled by 1e3 (its logits are linear in them: the argmax
+    stays, the distribution turns one-hot)."""
+    from jaxspec.train.losses import Objective
+
+    config, head, trainable, fixed, batch = _eagle3_loss_inputs(tiny_model, store, 2, np.arange(0, 256, 4))
+
+    def depth_loss(argmax_weight: float, batch: dict) -> np.ndarray:
+        objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=2,
+                              num_positions=64, argmax_weight=argmax_weight)  # fmt: skip
+        return np.asarray(objective({"head": trainable}, fixed, batch, jax.random.key(0))[1]["depth_loss"])
+
+    soft, hard = depth_loss(0.0, batch), depth_loss(1.0, batch)
+    assert np.all(np.abs(hard - soft) > 1e-3)
+    np.testing.assert_allclose(depth_loss(0.25, batch), 0.75 * soft + 0.25 * hard, rtol=1e-5)
+    one_hot = dict(batch, hidden=batch["hidden"] * 1e3)
+    np.testing.assert_allclose(depth_loss(0.0, one_hot), hard, rtol=1e-3)
+
+
+def test_train_cli_refuses_an_argmax_weight_outside_eagle3_or_0_to_1(tmp_path, capsys):
+    import jaxspec.cli
+
+    argv = ["train", "--method", "mtp", "--workdir", str(tmp_path), "--argmax-weight", "0.5"]
+    assert jaxspec.cli.main(argv) == 2
+    assert "--argmax-weight 0.5: an EAGLE-3 loss weight, not mtp's" in capsys.readouterr().err
+    argv = ["train", "--method", "eagle3", "--workdir", str(tmp_path), "--argmax-weight", "1.5"]
+    assert jaxspec.cli.main(argv) == 2
+    assert "--argmax-weight 1.5: a weight in [0, 1]" in capsys.readouterr().err
 
 
 def test_train_cli_distils_into_a_dataset_and_grows_it(tiny, tmp_path):

@@ -132,6 +132,11 @@ def add_parser(subparsers) -> None:
         "--soft-weight", type=float, default=0.0,
         help="Medusa/MTP: weight of the soft CE to the target's distribution (1 - it: CE to the token)",
     )  # fmt: skip
+    p.add_argument(
+        "--argmax-weight", type=float, default=0.0,
+        help="EAGLE-3: weight of the CE to the target's argmax (1 - it: the soft CE over the draft "
+        "vocabulary, the reference training's only loss); greedy chains accept only the argmax",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -284,6 +289,11 @@ def run(args: argparse.Namespace) -> int:
     if args.draft_vocab_runs and args.method != "eagle3":
         print(f"jaxspec train: --draft-vocab-runs: only EAGLE-3 heads have a draft vocabulary, not "
               f"{args.method}", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.argmax_weight and (args.method != "eagle3" or not 0.0 <= args.argmax_weight <= 1.0):
+        print(f"jaxspec train: --argmax-weight {args.argmax_weight}: " + (
+            f"an EAGLE-3 loss weight, not {args.method}'s (Medusa/MTP: --soft-weight)"
+            if args.method != "eagle3" else "a weight in [0, 1]"), file=sys.stderr)  # fmt: skip
         return 2
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -482,7 +492,7 @@ def run(args: argparse.Namespace) -> int:
             head.graphdef, config, model.graphdef, model.config,
             depth=1 if args.method == "eagle" else args.depth,
             num_positions=_num_positions(args), backbone_weight=args.backbone_weight,
-            soft_weight=args.soft_weight,
+            soft_weight=args.soft_weight, argmax_weight=args.argmax_weight,
         )  # fmt: skip
         train_config = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr, warmup_steps=args.warmup,

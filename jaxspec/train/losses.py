@@ -17,7 +17,8 @@ EAGLE-3: the argmax within the draft vocabulary).
   EAGLE-3   training-time test: step s feeds pair i the head's own step s - 1 output and t_(i+1+s) at
             rotary position i + s; queries see step 0's keys causally and their own earlier steps'
             keys at the same position (the drafting pattern); soft CE over the draft vocabulary
-            (target renormalised there) weighted 0.8^s. As in the reference training (EAGLE-3,
+            (target renormalised there) weighted 0.8^s, mixed with CE to the target's argmax when
+            `argmax_weight` > 0 (the token a greedy chain must draft). As in the reference training (EAGLE-3,
             SpecForge), a position counts only where the target's argmax over its full vocabulary
             lies inside the draft vocabulary (the position mask): elsewhere the head could not draft
             the target's token anyway. The argmax comes from the batch ("argmax", written by the
@@ -128,6 +129,9 @@ class Objective:
     soft_weight: Medusa and MTP: the loss per depth is (1 - w) x CE to the self-distilled token + w x soft
       CE to the target's own distribution at that position (KL up to the target's entropy), so the head
       learns the target's whole distribution, not only its top-1 (EAGLE and EAGLE-3 are soft already).
+    argmax_weight: EAGLE-3: the loss per step is (1 - w) x soft CE over the draft vocabulary + w x CE to
+      the target's argmax there (one-hot), the only token a greedy draft is accepted on; 0 is the
+      reference training (soft only).
     """
 
     head_graphdef: nnx.GraphDef
@@ -139,6 +143,7 @@ class Objective:
     noise: float = 0.2
     backbone_weight: float = 0.0
     soft_weight: float = 0.0
+    argmax_weight: float = 0.0
 
     @property
     def method(self) -> str:
@@ -302,7 +307,11 @@ class Objective:
             target_logits = target_draft_logits(target_h)  # [B, P, Vd]
             weight = weight * position_mask(target_h, s, idx)
             logits = head.draft_logits(take(out, idx))  # [B, P, Vd]
-            losses.append(masked_mean(soft_ce(logits, jax.nn.softmax(target_logits, -1)), weight))
+            loss = soft_ce(logits, jax.nn.softmax(target_logits, -1))  # [B, P]
+            if self.argmax_weight > 0.0:
+                argmax_ce, _ = hard_ce(logits, jnp.argmax(target_logits, -1))
+                loss = (1.0 - self.argmax_weight) * loss + self.argmax_weight * argmax_ce
+            losses.append(masked_mean(loss, weight))
             agree = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
             accs.append(masked_mean(agree.astype(jnp.float32), weight))
             hidden = out
