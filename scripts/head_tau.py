@@ -7,7 +7,8 @@
 
 The quick check between training runs: greedy rows are independent, so a batch of prompts gives the τ
 that `jaxspec bench` measures one prompt at a time (the same SpecConfigs: a chain of 3, the tree of 22
-(top-8, depth 6) and that tree with the prompt-lookup (≥ 2) / datastore chain of 10 merged into it),
+(top-8, depth 6) and that tree with the prompt-lookup (≥ 2) / datastore chain of 10 merged into it;
+Medusa: its calibrated trees of 15, 31 and 63 paths, top-10, depth 3),
 in a few minutes instead of a quarter of an hour. Every variant's tokens are checked against
 autoregressive decoding; a row that differs is reported (and the exit status is 1). Prints τ per prompt
 category and overall, and writes them as JSON with --out.
@@ -21,19 +22,25 @@ import json
 import sys
 from pathlib import Path
 
+# (tree sizes, top-k, depth) per method: the shipped EAGLE-3 shapes (README, "Shipped draft heads"), and
+# Medusa's calibrated trees over its three heads (the README's Medusa trees benchmark).
+TREE_SHAPES = {"medusa": ((15, 31, 63), 10, 3)}
+DEFAULT_TREE_SHAPE = ((22,), 8, 6)
+
 
 def variants(
     method: str, head: str, datastore: str | None, lookup_min_match: int, branch_tokens: int
 ) -> dict:
-    """Label -> SpecConfig, built by the bench (`jaxspec.bench.runner.build_variants`) for the shipped
-    EAGLE-3 shapes (README, "Shipped draft heads") with `method`'s head: the chain of 3, the tree of 22
-    (top-8, depth 6), and that tree with the lookup-else-datastore chain merged in (the bench's variants
+    """Label -> SpecConfig, built by the bench (`jaxspec.bench.runner.build_variants`) with `method`'s
+    head: the chain of 3, the trees of TREE_SHAPES (EAGLE-3's shapes for the other methods: the tree of 22,
+    top-8, depth 6), and each tree with the lookup-else-datastore chain merged in (the bench's variants
     with only one of the two are left out; a method that drafts chains only, or merges no chain into its
     tree, has fewer)."""
     from jaxspec.bench.runner import build_variants
 
+    sizes, topk, depth = TREE_SHAPES.get(method, DEFAULT_TREE_SHAPE)
     built, _ = build_variants(
-        [(method, (3,))], tree_sizes=(22,), tree_topk=8, tree_depth=6,
+        [(method, (3,))], tree_sizes=sizes, tree_topk=topk, tree_depth=depth,
         lookup_min_matches=(lookup_min_match,), datastore=datastore, branch_tokens=(branch_tokens,),
         heads={method: head},
     )  # fmt: skip
