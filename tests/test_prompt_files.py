@@ -16,6 +16,7 @@ from jaxspec.train.prompts import NearDuplicateIndex, load_prompt_rows, load_pro
 
 DEV = Path(__file__).resolve().parents[2] / "shared" / "prompts_dev.jsonl"
 QUESTIONS = configs_dir() / "prompts" / "questions_en.jsonl"
+PUBLIC = configs_dir() / "prompts" / "public_en.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,20 @@ def test_shipped_questions_are_disjoint_from_the_dev_prompts(questions):
         pytest.skip(f"{DEV} not present")
     index = NearDuplicateIndex(load_prompt_texts(DEV))
     assert [q["id"] for q in questions if index.contains(q["prompt"])] == []
+
+
+def test_public_benchmark_prompts_are_attributed_distinct_and_disjoint_from_the_dev_prompts():
+    """configs/prompts/public_en.jsonl (scripts/import_public_prompts.py): MT-Bench first turns and IFEval
+    prompts, each naming its source and licence, no two near duplicates, none near a dev prompt."""
+    rows = [json.loads(line) for line in PUBLIC.open()]
+    assert len(load_prompt_rows(PUBLIC)) == len(rows) >= 600
+    sources = Counter(r["source"] for r in rows)
+    assert set(sources) == {"MT-Bench (FastChat), Apache-2.0", "IFEval (Google Research), Apache-2.0"}
+    assert sources["MT-Bench (FastChat), Apache-2.0"] == 80
+    index = NearDuplicateIndex(load_prompt_texts(DEV) if DEV.exists() else [])
+    for row in rows:
+        assert not index.contains(row["prompt"]), row["id"]
+        index.add(row["prompt"])
 
 
 GOOD_PROMPT = {"id": "ok", "prompt": "A fine question?"}

@@ -643,6 +643,7 @@ def test_validation_split_holds_out_non_templated_sequences():
 
 def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_path):
     from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import MEDUSA_CALIBRATION_RANKS as R
     from jaxspec.train.losses import Objective
     from jaxspec.train.trainer import SubsetSource, TrainConfig, split_trainable, tau_proxy, train
 
@@ -666,13 +667,13 @@ def test_training_logs_held_out_agreement_and_tau_proxy(tiny_model, store, tmp_p
     assert tau_proxy([0.5, 0.5]) == pytest.approx(1.75)
     # Medusa also logs its heads' rank accuracies (a calibrated tree's input): rank 0 is top-1 agreement.
     rank_acc = np.asarray(validated[-1]["val_rank_acc"])
-    assert rank_acc.shape == (2, 10) and np.all(rank_acc.sum(1) <= 1 + 1e-6) and rank_acc[:, 1:].sum() > 0
+    assert rank_acc.shape == (2, R) and np.all(rank_acc.sum(1) <= 1 + 1e-6) and rank_acc[:, 1:].sum() > 0
     np.testing.assert_allclose(rank_acc[:, 0], validated[-1]["val_depth_acc"], atol=1e-6)
-    # ... and the joint ranks of its heads, row-major with head 1 first and rank 10 = "10 or worse":
+    # ... and the joint ranks of its heads, row-major with head 1 first and rank R = "R or worse":
     # summed over head 1 it is head 2's rank accuracy (the same positions), and it sums to one.
-    joint = np.asarray(validated[-1]["val_path_acc"]).reshape(11, 11)
-    np.testing.assert_allclose(joint.sum(0)[:10], rank_acc[1], atol=1e-6)
-    assert joint.sum() == pytest.approx(1.0, abs=1e-5) and joint[:10, :10].sum() > 0
+    joint = np.asarray(validated[-1]["val_path_acc"]).reshape(R + 1, R + 1)
+    np.testing.assert_allclose(joint.sum(0)[:R], rank_acc[1], atol=1e-6)
+    assert joint.sum() == pytest.approx(1.0, abs=1e-5) and joint[:R, :R].sum() > 0
     assert not any("path_acc" in e for e in result.metrics)  # the table stays out of training lines
 
 
@@ -704,6 +705,7 @@ def test_a_medusa_head_exports_its_rank_accuracies_and_drafts_the_tree_they_cali
         static_tree_from_choices,
     )
     from jaxspec.errors import InputError
+    from jaxspec.train.losses import MEDUSA_CALIBRATION_RANKS
 
     work = tmp_path / "work"
     work.mkdir()
@@ -725,7 +727,7 @@ def test_a_medusa_head_exports_its_rank_accuracies_and_drafts_the_tree_they_cali
     drafter, _ = registry.make_head_drafter(tiny_model, spec)
     accuracy = np.asarray(calibration["rank_accuracy"])[:, :3]
     joint = np.asarray(calibration["joint"])
-    assert joint.shape == (11, 11)
+    assert joint.shape == (MEDUSA_CALIBRATION_RANKS + 1,) * 2
     np.testing.assert_allclose(joint, np.asarray(last["val_path_acc"]), atol=1e-6)
     assert drafter.static_tree == static_tree_from_choices(calibrated_tree_choices(accuracy, 5, joint))
     assert drafter.num_nodes == 6
@@ -894,6 +896,22 @@ def test_init_from_head_starts_from_the_exported_head_and_its_vocabulary(
     assert f"{tmp_path / 'medusa'}: holds a medusa head, not eagle3" in capsys.readouterr().err
 
 
+def grow_head_cli(tiny, rows, work: Path, head: Path, out: str, method: str, flag: str, layers: int) -> int:
+    """`jaxspec train --init-from-head HEAD FLAG LAYERS --steps 0` on `rows` in `work` (created on first use):
+    exports the grown step-0 head to work/out; returns the exit status."""
+    from jaxspec.cli import main
+
+    if not work.exists():
+        work.mkdir()
+        append_jsonl_rows(work / "distill.jsonl", rows)
+    return main([
+        "train", "--method", method, "--model", str(tiny), "--workdir", str(work), "--stages",
+        "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
+        "--num-positions", "8", "--batch-size", "8", "--save-dtype", "float32", "--no-progress",
+        "--output", str(work / out), "--init-from-head", str(head), flag, str(layers),
+    ])  # fmt: skip
+
+
 def test_head_layers_grows_an_eagle3_head_that_starts_as_the_head_it_grows(
     tiny, tiny_model, rows, tmp_path, capsys
 ):
@@ -903,7 +921,6 @@ def test_head_layers_grows_an_eagle3_head_that_starts_as_the_head_it_grows(
     layers than DIR has, or the flag on another method, is refused before any work."""
     from flax import nnx
 
-    from jaxspec.cli import main
     from jaxspec.drafters.heads.configs import default_eagle3_layers
     from jaxspec.drafters.heads.eagle.eagle import eagle_sequence_forward
     from jaxspec.train.export import load_saved_head, save_head
@@ -915,16 +932,9 @@ def test_head_layers_grows_an_eagle3_head_that_starts_as_the_head_it_grows(
     source = new_head(config, seed=7, draft_ids=vocab)
     save_head(tmp_path / "src", config, source.graphdef, source.params, dtype="float32")
     work = tmp_path / "work"
-    work.mkdir()
-    append_jsonl_rows(work / "distill.jsonl", rows)
 
     def cli(head: Path, out: str, head_layers: int, method: str = "eagle3") -> int:
-        return main([
-            "train", "--method", method, "--model", str(tiny), "--workdir", str(work), "--stages",
-            "train,export", "--feature-mode", "online", "--steps", "0", "--max-len", "32", "--depth", "2",
-            "--num-positions", "8", "--batch-size", "8", "--save-dtype", "float32", "--no-progress",
-            "--output", str(work / out), "--init-from-head", str(head), "--head-layers", str(head_layers),
-        ])  # fmt: skip
+        return grow_head_cli(tiny, rows, work, head, out, method, "--head-layers", head_layers)
 
     assert cli(tmp_path / "src", "head", 2) == 0
     grown = load_saved_head(work / "head")
@@ -1042,3 +1052,50 @@ def test_init_from_head_with_draft_vocab_reselects_the_vocabulary_and_keeps_trai
     capsys.readouterr()
     assert cli(work, "head3", 64) == 2
     assert "draft_vocab.npy holds a draft vocabulary of 128, not --draft-vocab 64" in capsys.readouterr().err
+
+
+def test_medusa_layers_grows_a_medusa_head_that_starts_as_the_head_it_grows(
+    tiny, tiny_model, rows, tmp_path, capsys
+):
+    """`--init-from-head DIR --medusa-layers 2`: every head of the step-0 Medusa head has two residual
+    blocks, DIR's first and an added one with zero kernel and bias, so its logits equal DIR's exactly
+    (and stop doing so once that block moves); fewer blocks than DIR has, or the flag on another
+    method, is refused before any work."""
+    from jaxspec.drafters.heads.medusa.module import medusa_logits
+    from jaxspec.model.forward import lm_logits
+    from jaxspec.train.export import load_saved_head, save_head
+    from jaxspec.train.head_setup import head_config_for, new_head
+
+    config = head_config_for("medusa", tiny_model.config, depth=2)
+    source = new_head(config, seed=3)
+    save_head(tmp_path / "src", config, source.graphdef, source.params, dtype="float32")
+    work = tmp_path / "work"
+
+    def cli(head: Path, out: str, layers: int, method: str = "medusa") -> int:
+        return grow_head_cli(tiny, rows, work, head, out, method, "--medusa-layers", layers)
+
+    assert cli(tmp_path / "src", "head", 2) == 0
+    grown = load_saved_head(work / "head")
+    assert grown.config.num_layers == 2 and grown.config.num_heads == 2
+    kernel = np.asarray(grown.params["res_kernel"].get_value())
+    np.testing.assert_array_equal(kernel[:, 0], np.asarray(source.params["res_kernel"].get_value())[:, 0])
+    assert not np.any(kernel[:, 1]) and not np.any(np.asarray(grown.params["res_bias"].get_value())[:, 1])
+
+    hidden = jnp.asarray(
+        np.random.default_rng(0).normal(size=(2, 5, tiny_model.config.hidden_size)), jnp.float32
+    )
+
+    def logits(head, params=None):
+        target_lm = lambda x: lm_logits(tiny_model.graphdef, tiny_model.params, x)  # noqa: E731
+        return np.asarray(medusa_logits(head.graphdef, params or head.params, hidden, target_lm))
+
+    np.testing.assert_array_equal(logits(source), logits(grown))
+    moved = jax.tree.map(jnp.copy, grown.params)
+    moved["res_kernel"].set_value(moved["res_kernel"].get_value().at[:, 1].add(0.05))
+    assert not np.allclose(logits(grown), logits(grown, moved))
+
+    capsys.readouterr()
+    assert cli(work / "head", "head1", 1) == 2
+    assert "cannot shrink to 1" in capsys.readouterr().err and not (work / "head1").exists()
+    assert cli(tmp_path / "src", "head_e", 2, method="eagle3") == 2
+    assert "--medusa-layers 2" in capsys.readouterr().err and not (work / "head_e").exists()

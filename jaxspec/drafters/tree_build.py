@@ -209,7 +209,11 @@ def save_tree_calibration(
     if joint is not None:
         record["joint"] = np.asarray(joint, np.float64).round(7).tolist()
     path = Path(directory) / CALIBRATION_FILE
-    path.write_text(json.dumps({**record, **info}, indent=1) + "\n")
+    # One key per line, each value compact: the joint table holds (R + 1) ** J numbers.
+    fields = ",\n".join(
+        f" {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in {**record, **info}.items()
+    )
+    path.write_text("{\n" + fields + "\n}\n")
     return path
 
 

@@ -125,7 +125,11 @@ def add_parser(subparsers) -> None:
         "the --init-from-head head has grows it: the added layers start as the identity (zeroed residual "
         "branches), so training starts from exactly the head it grows",
     )  # fmt: skip
-    p.add_argument("--medusa-layers", type=int, default=1)
+    p.add_argument(
+        "--medusa-layers", type=int, default=None,
+        help="Medusa: residual blocks per head (default 1, or the --init-from-head head's); more than the "
+        "--init-from-head head has grows it: the added blocks start as the identity (zero kernel and bias)",
+    )  # fmt: skip
     p.add_argument("--mtp-modules", type=int, default=1)
     p.add_argument("--backbone-weight", type=float, default=0.0, help="MTP: >0 trains the target jointly")
     p.add_argument(
@@ -280,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"jaxspec train: --head-layers {args.head_layers}: an EAGLE-3 head's decoder layers (>= 1); "
               f"a {args.method} head has no such choice" if args.method != "eagle3" else
               f"jaxspec train: --head-layers {args.head_layers}: a head needs at least one decoder layer",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.medusa_layers is not None and (args.method != "medusa" or args.medusa_layers < 1):
+        print(f"jaxspec train: --medusa-layers {args.medusa_layers}: a Medusa head's residual blocks "
+              f"per head (>= 1)" + ("" if args.method == "medusa" else f"; a {args.method} head has none"),
               file=sys.stderr)  # fmt: skip
         return 2
     for flag, value in (("--dataset-runs", args.dataset_runs), ("--draft-vocab-runs", args.draft_vocab_runs)):
@@ -445,11 +454,19 @@ def run(args: argparse.Namespace) -> int:
                 except ValueError as error:
                     print(f"jaxspec train: --head-layers: {error}", file=sys.stderr)
                     return 2
+            if args.medusa_layers is not None:
+                from jaxspec.train.head_setup import with_medusa_layers
+
+                try:
+                    start_head = with_medusa_layers(start_head, args.medusa_layers)
+                except ValueError as error:
+                    print(f"jaxspec train: --medusa-layers: {error}", file=sys.stderr)
+                    return 2
             config = start_head.config
         else:
             config = head_config_for(
                 args.method, model.config, depth=args.depth,
-                medusa_layers=args.medusa_layers, mtp_modules=args.mtp_modules, eagle3_layers=capture,
+                medusa_layers=args.medusa_layers or 1, mtp_modules=args.mtp_modules, eagle3_layers=capture,
                 draft_vocab_size=args.draft_vocab or DEFAULT_DRAFT_VOCAB, head_layers=args.head_layers or 1,
             )  # fmt: skip
         draft_ids = None

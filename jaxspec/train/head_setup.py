@@ -195,6 +195,34 @@ def with_decoder_layers(head: DraftHead, num_layers: int, *, seed: int = 0) -> D
     return DraftHead(config=config, graphdef=graphdef, params=params, source=source)
 
 
+def with_medusa_layers(head: DraftHead, num_layers: int) -> DraftHead:
+    """The Medusa `head` grown to `num_layers` residual blocks per head: its blocks and LM heads kept, each
+    added block (after the existing ones) with a zero kernel and bias, so x + silu(0) = x and the grown
+    head drafts exactly what `head` does until training moves them (their kernels get gradients at
+    once: silu'(0) = 1/2). Raises ValueError for another method or fewer blocks."""
+    if not isinstance(head.config, MedusaConfig):
+        raise ValueError(f"only a Medusa head can grow residual blocks, not a {method_of(head.config)} head")
+    have = head.config.num_layers
+    if num_layers < have:
+        raise ValueError(
+            f"{head.source}: has {have} residual blocks per head; it cannot shrink to {num_layers}"
+        )
+    if num_layers == have:
+        return head
+    config = dataclasses.replace(head.config, num_layers=num_layers)
+    grown = init_head(config, jnp.float32, 0)
+    params = grown.params
+    kernel, bias = head.params["res_kernel"].get_value(), head.params["res_bias"].get_value()
+    k, _, d = bias.shape
+    added = num_layers - have
+    params["res_kernel"].set_value(jnp.concatenate([kernel, jnp.zeros((k, added, d, d), kernel.dtype)], 1))
+    params["res_bias"].set_value(jnp.concatenate([bias, jnp.zeros((k, added, d), bias.dtype)], 1))
+    if head.config.own_lm_head:
+        params["lm_kernel"].set_value(head.params["lm_kernel"].get_value())
+    source = f"{head.source} (residual blocks {have} -> {num_layers})"
+    return DraftHead(config=config, graphdef=grown.graphdef, params=params, source=source)
+
+
 def _copy_decoder_layer(head_layer, target_layer) -> None:
     """Copy a target decoder layer (fused [out, in] projections) into a head layer (NNX Linear kernels
     [in, out]). An EAGLE-3 layer's 2d-wide attention input gets the target's projections on its hidden
