@@ -446,22 +446,19 @@ def run(args: argparse.Namespace) -> int:
             except (InputError, ModelLoadError, ValueError) as error:
                 print(f"jaxspec train: --init-from-head {error}", file=sys.stderr)
                 return 2
-            if args.head_layers is not None:
-                from jaxspec.train.head_setup import with_decoder_layers
+            from jaxspec.train.head_setup import with_decoder_layers, with_medusa_layers
 
-                try:
-                    start_head = with_decoder_layers(start_head, args.head_layers, seed=args.seed)
-                except ValueError as error:
-                    print(f"jaxspec train: --head-layers: {error}", file=sys.stderr)
-                    return 2
-            if args.medusa_layers is not None:
-                from jaxspec.train.head_setup import with_medusa_layers
-
-                try:
-                    start_head = with_medusa_layers(start_head, args.medusa_layers)
-                except ValueError as error:
-                    print(f"jaxspec train: --medusa-layers: {error}", file=sys.stderr)
-                    return 2
+            growths = (
+                ("--head-layers", args.head_layers, lambda h, n: with_decoder_layers(h, n, seed=args.seed)),
+                ("--medusa-layers", args.medusa_layers, with_medusa_layers),
+            )  # (flag, layers or None, grow(head, layers)): the method checks above allow one at most
+            for flag, layers, grow in growths:
+                if layers is not None:
+                    try:
+                        start_head = grow(start_head, layers)
+                    except ValueError as error:
+                        print(f"jaxspec train: {flag}: {error}", file=sys.stderr)
+                        return 2
             config = start_head.config
         else:
             config = head_config_for(
