@@ -1099,3 +1099,52 @@ def test_medusa_layers_grows_a_medusa_head_that_starts_as_the_head_it_grows(
     assert "cannot shrink to 1" in capsys.readouterr().err and not (work / "head1").exists()
     assert cli(tmp_path / "src", "head_e", 2, method="eagle3") == 2
     assert "--medusa-layers 2" in capsys.readouterr().err and not (work / "head_e").exists()
+
+
+def test_eagle1_training_time_test_step_feeds_the_heads_own_prediction_as_a_draft_chain_does(
+    tiny_model, store
+):
+    """EAGLE-1 with depth 2: step 1 of pair i reads the head's own step-0 prediction and t_(i+2) at
+    position i + 1, attending to step 0's pairs 0..i, which is exactly a draft chain's second step: a
+    causal sequence forward over pairs 0..i followed by (predicted f_(i+1), t_(i+2)). Its loss is that
+    prediction's soft CE to the target at i + 2, and differs from the teacher-forced one (target f_(i+1))."""
+    from jaxspec.drafters.heads.eagle.eagle import eagle_sequence_forward
+    from jaxspec.model.forward import embed_tokens, lm_logits
+    from jaxspec.train.head_setup import head_config_for, new_head
+    from jaxspec.train.losses import Objective, soft_ce
+    from jaxspec.train.trainer import split_trainable
+
+    config = head_config_for("eagle", tiny_model.config, depth=2)
+    head = new_head(config, seed=0)
+    trainable, head_fixed = split_trainable(head.params)
+    fixed = {"target": tiny_model.params, "head_fixed": head_fixed}
+    batch = {k: jnp.asarray(v) for k, v in store.read(list(range(8))).items()}
+    tokens, hidden = batch["tokens"], batch["hidden"]
+    objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=2,
+                          num_positions=64, noise=0.0)  # fmt: skip
+    params = head.params
+
+    def target_embed(t):
+        return embed_tokens(tiny_model.graphdef, tiny_model.params, t)
+
+    def target_lm(x):
+        return lm_logits(tiny_model.graphdef, tiny_model.params, x)
+
+    for i in (3, 11):
+        # Only pair i has a step-1 label (t_(i+3)): starts = i + 3, lengths = i + 4.
+        one = dict(batch, starts=jnp.full_like(batch["starts"], i + 3),
+                   lengths=jnp.full_like(batch["lengths"], i + 4))  # fmt: skip
+        loss = float(objective({"head": trainable}, fixed, one, jax.random.key(0))[1]["depth_loss"][1])
+        embeddings = target_embed(tokens[:, 1 : i + 2])  # t_1 .. t_(i+1)
+        step0 = eagle_sequence_forward(head.graphdef, params, embeddings, hidden[:, : i + 1])  # ~f_1..f_(i+1)
+        target = jax.nn.softmax(target_lm(hidden[:, i + 2]), -1)
+        expected = {}
+        for name, fed in (("own", step0[:, i]), ("teacher", hidden[:, i + 1])):
+            chain = eagle_sequence_forward(
+                head.graphdef, params, target_embed(tokens[:, 1 : i + 3]),
+                jnp.concatenate([hidden[:, : i + 1], fed[:, None]], axis=1), project=False,
+            )  # fmt: skip
+            logits = target_lm(chain[:, -1])  # EAGLE-1's logits: the target's LM head
+            expected[name] = float(soft_ce(logits, target).mean())
+        np.testing.assert_allclose(loss, expected["own"], rtol=2e-5)
+        assert abs(expected["teacher"] - expected["own"]) > 1e-3 * abs(expected["own"]), expected

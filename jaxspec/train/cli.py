@@ -24,6 +24,7 @@ from pathlib import Path
 
 STAGES = ("distill", "features", "train", "export")
 DEFAULT_NUM_POSITIONS = 32
+DEFAULT_DEPTH = 4  # Medusa heads, EAGLE-3 training-time-test steps, MTP depths
 DEFAULT_DRAFT_VOCAB = 8192
 MIN_RESPONSE_TOKENS = 48  # a derived prompt must leave this many of --max-len for its response
 # What `jaxspec` prints after "interrupted" when Ctrl-C stops this command (jaxspec.cli.main).
@@ -96,7 +97,11 @@ def add_parser(subparsers) -> None:
         "manifest is greedy (jaxspec train's own distillation always is), else target",
     )  # fmt: skip
     p.add_argument("--window", type=int, default=None, help="train on random windows of this many tokens")
-    p.add_argument("--depth", type=int, default=4, help="Medusa heads / EAGLE-3 TTT steps / MTP depths")
+    p.add_argument(
+        "--depth", type=int, default=None,
+        help="Medusa heads / EAGLE-3 and EAGLE-1 training-time-test steps / MTP depths (default: EAGLE-1 1, "
+        "the reference training; others 4)",
+    )  # fmt: skip
     p.add_argument(
         "--num-positions", type=int, default=None,
         help="loss positions per sequence (default: 32; EAGLE-3 all, its draft vocabulary is small)",
@@ -211,6 +216,12 @@ def _capped(prompts: list[dict], limit: int, writer) -> list[dict]:
           f"of the {len(prompts)} already answered in other runs of {writer.dataset.path}, "
           f"{max(0, len(fresh) - limit)} beyond --num-prompts {limit})", file=sys.stderr)  # fmt: skip
     return fresh[:limit]
+
+
+def _depth(args: argparse.Namespace) -> int:
+    if args.depth is not None:
+        return args.depth
+    return 1 if args.method == "eagle" else DEFAULT_DEPTH
 
 
 def _num_positions(args: argparse.Namespace) -> int:
@@ -462,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
             config = start_head.config
         else:
             config = head_config_for(
-                args.method, model.config, depth=args.depth,
+                args.method, model.config, depth=_depth(args),
                 medusa_layers=args.medusa_layers or 1, mtp_modules=args.mtp_modules, eagle3_layers=capture,
                 draft_vocab_size=args.draft_vocab or DEFAULT_DRAFT_VOCAB, head_layers=args.head_layers or 1,
             )  # fmt: skip
@@ -504,7 +515,7 @@ def run(args: argparse.Namespace) -> int:
         trainable, head_fixed = split_trainable(head.params)
         objective = Objective(
             head.graphdef, config, model.graphdef, model.config,
-            depth=1 if args.method == "eagle" else args.depth,
+            depth=_depth(args),
             num_positions=_num_positions(args), backbone_weight=args.backbone_weight,
             soft_weight=args.soft_weight, argmax_weight=args.argmax_weight,
         )  # fmt: skip

@@ -13,7 +13,9 @@ EAGLE-3: the argmax within the draft vocabulary).
 
   Medusa-1  head j at hidden h_i predicts t_(i+2+j); cross entropy per head (hard self-distilled labels).
   EAGLE-1   pair i = (f_i + uniform noise, t_(i+1)) -> predicted f_(i+1): SmoothL1 to the target feature
-            + 0.1 x soft cross entropy against the target's distribution at i + 1 (its LM head).
+            + 0.1 x soft cross entropy against the target's distribution at i + 1 (its LM head). With
+            depth > 1, EAGLE-3's training-time test (as HASS does for EAGLE-1/2): step s feeds pair i
+            the head's own step s - 1 prediction and t_(i+1+s), predicts f_(i+1+s), weighted 0.8^s.
   EAGLE-3   training-time test: step s feeds pair i the head's own step s - 1 output and t_(i+1+s) at
             rotary position i + s; queries see step 0's keys causally and their own earlier steps'
             keys at the same position (the drafting pattern); soft CE over the draft vocabulary
@@ -120,12 +122,32 @@ def smooth_l1(pred: jax.Array, target: jax.Array) -> jax.Array:
     return jnp.where(diff < 1.0, 0.5 * diff**2, diff - 0.5).mean(-1)
 
 
+def unrolled_attention_inputs(
+    b: int, layer: Any, n: int, keys: list[jax.Array], values: list[jax.Array], dtype: jnp.dtype
+) -> AttentionInputs:
+    """The attention inputs of training-time-test step s = len(keys) over n pairs: step 0 attends
+    causally within itself (the target-feature pass); step s >= 1 sees step 0's keys causally and each
+    earlier step's key at its own position only, the pattern a chain drafted from every position would
+    see. keys / values: steps 0..s-1's [B, kv_heads, n, head_dim]."""
+    if not keys:
+        return empty_cache_inputs(b, layer.num_kv_heads, layer.head_dim, causal_visible(n), dtype)
+    s = len(keys)
+    eye = jnp.eye(n, dtype=bool)
+    visible = jnp.concatenate([causal_visible(n)] + [eye] * (s - 1), axis=1)
+    empty = jnp.zeros((b, layer.num_kv_heads, 0, layer.head_dim), dtype)
+    return AttentionInputs(
+        empty, empty, jnp.zeros((b, 1, 0), bool), eye,
+        jnp.concatenate(keys, axis=-2), jnp.concatenate(values, axis=-2),
+        jnp.broadcast_to(visible, (b, n, n * s)),
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """A head's training loss; static to `jax.jit` (graphdefs and configs only, no arrays).
 
     num_positions: loss positions per sequence (all valid ones when >= the sequence length).
-    depth: draft depths trained (Medusa: its heads; EAGLE-3: TTT steps; MTP: chained modules).
+    depth: draft depths trained (Medusa: its heads; EAGLE-3 and EAGLE-1: TTT steps; MTP: chained modules).
     noise: EAGLE-1 uniform feature noise width (U(-noise/2, noise/2)).
     backbone_weight: MTP only, > 0 trains the target too: main CE + backbone_weight x MTP loss.
     soft_weight: Medusa and MTP: the loss per depth is (1 - w) x CE to the self-distilled token + w x soft
@@ -235,20 +257,33 @@ class Objective:
         noise_key, pos_key = jax.random.split(key)
         features = hidden[:, :n]
         noise = (jax.random.uniform(noise_key, features.shape, features.dtype) - 0.5) * self.noise
+        features = features + noise
         layer = self.head_config.layer
-        inputs = empty_cache_inputs(b, layer.num_kv_heads, layer.head_dim, causal_visible(n), features.dtype)
-        positions = batch_positions(batch, n)
-        pred, _, _ = head(head.embed(tokens[:, 1:], target_embed), features + noise, positions, inputs)
-        valid = label_mask(batch, 2, n)
-        value_loss = masked_mean(smooth_l1(pred, hidden[:, 1:]), valid.astype(jnp.float32))
-        idx, weight = sample_positions(pos_key, valid, self.num_positions)
-        target_logits = target_lm(take(hidden[:, 1:], idx))
-        logits = head.logits(take(pred, idx), target_lm)
-        prob_loss = masked_mean(soft_ce(logits, jax.nn.softmax(target_logits, -1)), weight)
-        agree = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
-        acc = masked_mean(agree.astype(jnp.float32), weight)
-        loss = EAGLE_VALUE_WEIGHT * value_loss + EAGLE_PROB_WEIGHT * prob_loss
-        return loss, {"depth_loss": prob_loss[None], "depth_acc": acc[None], "value_loss": value_loss}
+        keys, values = [], []
+        value_losses, prob_losses, accs = [], [], []
+        for s in range(self.depth):
+            inputs = unrolled_attention_inputs(b, layer, n, keys, values, features.dtype)
+            pred, k, v = head(
+                head.embed(shifted(tokens, 1 + s, n), target_embed), features, batch_positions(batch, n) + s,
+                inputs,
+            )  # fmt: skip
+            keys.append(k)
+            values.append(v)
+            target_features = shifted(hidden, 1 + s, n)  # pair i's step-s prediction is f_(i + 1 + s)
+            valid = label_mask(batch, 2 + s, n)
+            value_losses.append(masked_mean(smooth_l1(pred, target_features), valid.astype(jnp.float32)))
+            step_key = jax.random.fold_in(pos_key, s) if s else pos_key  # step 0: as before the unroll
+            idx, weight = sample_positions(step_key, valid, self.num_positions)
+            target_logits = target_lm(take(target_features, idx))
+            logits = head.logits(take(pred, idx), target_lm)
+            prob_losses.append(masked_mean(soft_ce(logits, jax.nn.softmax(target_logits, -1)), weight))
+            agree = jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1)
+            accs.append(masked_mean(agree.astype(jnp.float32), weight))
+            features = pred
+        value_loss, prob_loss = jnp.stack(value_losses), jnp.stack(prob_losses)
+        decay = EAGLE3_STEP_DECAY ** jnp.arange(self.depth)
+        loss = (decay * (EAGLE_VALUE_WEIGHT * value_loss + EAGLE_PROB_WEIGHT * prob_loss)).sum()
+        return loss, {"depth_loss": prob_loss, "depth_acc": jnp.stack(accs), "value_loss": value_loss[0]}
 
     def _eagle3(self, params, batch, key, target_lm, target_embed):
         head = nnx.merge(self.head_graphdef, params)
@@ -280,27 +315,15 @@ class Objective:
             return in_draft_vocab[top].astype(jnp.float32)
 
         hidden = head.project_target_features(batch["layers"][:, :n])
-        eye = jnp.eye(n, dtype=bool)
-        keys, values, visible = [], [], []
+        keys, values = [], []
         losses, accs = [], []
         for s in range(self.depth):
             embeddings = head.embed(shifted(tokens, 1 + s, n), target_embed)
             positions = batch_positions(batch, n) + s
-            if s == 0:
-                inputs = empty_cache_inputs(
-                    b, layer.num_kv_heads, layer.head_dim, causal_visible(n), hidden.dtype
-                )
-            else:
-                empty = jnp.zeros((b, layer.num_kv_heads, 0, layer.head_dim), hidden.dtype)
-                inputs = AttentionInputs(
-                    empty, empty, jnp.zeros((b, 1, 0), bool), eye,
-                    jnp.concatenate(keys, axis=-2), jnp.concatenate(values, axis=-2),
-                    jnp.broadcast_to(jnp.concatenate(visible, axis=1), (b, n, n * s)),
-                )  # fmt: skip
+            inputs = unrolled_attention_inputs(b, layer, n, keys, values, hidden.dtype)
             out, k, v = head(embeddings, hidden, positions, inputs)
             keys.append(k)
             values.append(v)
-            visible.append(causal_visible(n) if s == 0 else eye)
             # The loss at num_positions of the valid pairs (all of them when num_positions >= n).
             idx, weight = sample_positions(
                 jax.random.fold_in(key, s), label_mask(batch, 2 + s, n), self.num_positions
