@@ -1122,7 +1122,6 @@ def test_eagle1_training_time_test_step_feeds_the_heads_own_prediction_as_a_draf
     tokens, hidden = batch["tokens"], batch["hidden"]
     objective = Objective(head.graphdef, config, tiny_model.graphdef, tiny_model.config, depth=2,
                           num_positions=64, noise=0.0)  # fmt: skip
-    params = head.params
 
     def target_embed(t):
         return embed_tokens(tiny_model.graphdef, tiny_model.params, t)
@@ -1136,12 +1135,13 @@ def test_eagle1_training_time_test_step_feeds_the_heads_own_prediction_as_a_draf
                    lengths=jnp.full_like(batch["lengths"], i + 4))  # fmt: skip
         loss = float(objective({"head": trainable}, fixed, one, jax.random.key(0))[1]["depth_loss"][1])
         embeddings = target_embed(tokens[:, 1 : i + 2])  # t_1 .. t_(i+1)
-        step0 = eagle_sequence_forward(head.graphdef, params, embeddings, hidden[:, : i + 1])  # ~f_1..f_(i+1)
+        # the head's step 0 over pairs 0..i: predicted f_1 .. f_(i+1)
+        step0 = eagle_sequence_forward(head.graphdef, head.params, embeddings, hidden[:, : i + 1])
         target = jax.nn.softmax(target_lm(hidden[:, i + 2]), -1)
         expected = {}
         for name, fed in (("own", step0[:, i]), ("teacher", hidden[:, i + 1])):
             chain = eagle_sequence_forward(
-                head.graphdef, params, target_embed(tokens[:, 1 : i + 3]),
+                head.graphdef, head.params, target_embed(tokens[:, 1 : i + 3]),
                 jnp.concatenate([hidden[:, : i + 1], fed[:, None]], axis=1), project=False,
             )  # fmt: skip
             logits = target_lm(chain[:, -1])  # EAGLE-1's logits: the target's LM head

@@ -50,7 +50,7 @@ from jaxspec.model.forward import embed_tokens, lm_logits
 
 EAGLE_VALUE_WEIGHT = 1.0
 EAGLE_PROB_WEIGHT = 0.1
-EAGLE3_STEP_DECAY = 0.8
+UNROLL_STEP_DECAY = 0.8  # training-time-test step s of EAGLE-3 and EAGLE-1 weighs 0.8^s
 # Ranks a Medusa head's rank accuracies cover (`rank_acc`; a calibrated tree uses top-k <= this). The
 # first head's ranks 10-19 are each still right more often (~0.6-1.1% of positions) than the last
 # deeper paths a tree of 31 or 63 takes (~0.2-0.4%), so a cap of 10 ranks would leave them out.
@@ -128,7 +128,7 @@ def unrolled_attention_inputs(
     """The attention inputs of training-time-test step s = len(keys) over n pairs: step 0 attends
     causally within itself (the target-feature pass); step s >= 1 sees step 0's keys causally and each
     earlier step's key at its own position only, the pattern a chain drafted from every position would
-    see. keys / values: steps 0..s-1's [B, kv_heads, n, head_dim]."""
+    see. keys / values: steps 0..s-1's [1, B, kv_heads, n, head_dim], as the heads return them."""
     if not keys:
         return empty_cache_inputs(b, layer.num_kv_heads, layer.head_dim, causal_visible(n), dtype)
     s = len(keys)
@@ -281,7 +281,7 @@ class Objective:
             accs.append(masked_mean(agree.astype(jnp.float32), weight))
             features = pred
         value_loss, prob_loss = jnp.stack(value_losses), jnp.stack(prob_losses)
-        decay = EAGLE3_STEP_DECAY ** jnp.arange(self.depth)
+        decay = UNROLL_STEP_DECAY ** jnp.arange(self.depth)
         loss = (decay * (EAGLE_VALUE_WEIGHT * value_loss + EAGLE_PROB_WEIGHT * prob_loss)).sum()
         return loss, {"depth_loss": prob_loss, "depth_acc": jnp.stack(accs), "value_loss": value_loss[0]}
 
@@ -341,7 +341,7 @@ class Objective:
             accs.append(masked_mean(agree.astype(jnp.float32), weight))
             hidden = out
         depth_loss = jnp.stack(losses)
-        decay = EAGLE3_STEP_DECAY ** jnp.arange(self.depth)
+        decay = UNROLL_STEP_DECAY ** jnp.arange(self.depth)
         return (decay * depth_loss).sum(), {"depth_loss": depth_loss, "depth_acc": jnp.stack(accs)}
 
     def _mtp(self, params, batch, key, target_lm, target_embed):
